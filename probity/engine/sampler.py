@@ -1,0 +1,86 @@
+"""Log probabilities and sampling.
+
+Reported values are always the raw log-softmax of the logits in float32, before any
+penalty, bias, temperature, top-k or top-p. Sampling then works on a processed copy.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sampling, Sequence
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def top_tables(lp: torch.Tensor, chosen: list[int], k: int) -> list[list[tuple[int, float]]]:
+    """For each row of lp (positions x vocab): the k most likely ids plus the chosen one,
+    sorted most likely first, ties broken by lower token id. Values are lp's own floats, so
+    the chosen token's value here is identical to its value anywhere else it is reported."""
+    rows = lp.shape[0]
+    if k == 0:
+        vals = lp[torch.arange(rows), torch.tensor(chosen)].tolist()
+        return [[(c, v)] for c, v in zip(chosen, vals)]
+    kv, ki = torch.topk(lp, k, dim=-1)
+    # torch.topk does not promise an order among equal values: find rows whose k-th value
+    # is tied with entries outside the top k and redo those rows exactly.
+    kth = kv[:, -1:]
+    ties = ((lp >= kth).sum(dim=-1) > k).tolist()
+    chosen_vals = lp[torch.arange(rows), torch.tensor(chosen)].tolist()
+    kv_l, ki_l = kv.tolist(), ki.tolist()
+    tables = []
+    for r in range(rows):
+        if ties[r]:
+            cand = torch.nonzero(lp[r] >= kth[r, 0]).flatten().tolist()
+            vals = lp[r, cand].tolist()
+            pairs = sorted(zip(cand, vals), key=lambda p: (-p[1], p[0]))[:k]
+        else:
+            pairs = sorted(zip(ki_l[r], kv_l[r]), key=lambda p: (-p[1], p[0]))
+        if all(i != chosen[r] for i, _ in pairs):
+            pairs.append((chosen[r], chosen_vals[r]))
+            pairs.sort(key=lambda p: (-p[1], p[0]))
+        tables.append(pairs)
+    return tables
+
+
+def chosen_logprobs(lp: torch.Tensor, chosen: list[int]) -> list[float]:
+    return lp[torch.arange(lp.shape[0]), torch.tensor(chosen)].tolist()
+
+
+def sample(logits: torch.Tensor, seq: Sequence) -> int:
+    """Pick the next token from one row of raw logits."""
+    s: Sampling = seq.request.sampling
+    x = logits.float().clone()
+    if s.logit_bias:
+        ids = torch.tensor(list(s.logit_bias.keys()))
+        x[ids] += torch.tensor(list(s.logit_bias.values()), dtype=x.dtype)
+    if (s.presence_penalty or s.frequency_penalty) and seq.counts is not None:
+        c = seq.counts
+        x -= s.frequency_penalty * c + s.presence_penalty * (c > 0).float()
+    if s.temperature == 0.0:
+        return int(torch.argmax(x))  # first maximum: the lowest id among ties
+    x = x / s.temperature
+    sorted_x, order = torch.sort(x, descending=True, stable=True)
+    if s.top_k and s.top_k < sorted_x.numel():
+        sorted_x, order = sorted_x[: s.top_k], order[: s.top_k]
+    probs = torch.softmax(sorted_x.double(), dim=-1)
+    if s.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        keep = int(torch.searchsorted(cum, torch.tensor([s.top_p], dtype=cum.dtype)).item()) + 1
+        probs = probs[:keep]
+        order = order[:keep]
+    cum = torch.cumsum(probs, dim=-1)
+    u = torch.rand((), generator=seq.generator, dtype=torch.float64) * cum[-1]
+    pick = min(int(torch.searchsorted(cum, u.reshape(1), right=True).item()), cum.numel() - 1)
+    return int(order[pick])
+
+
+def new_generator(seed: int | None, choice: int) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        # choice 0 uses the seed itself, so n=1 and the first of n choices agree
+        g.manual_seed((seed + choice * 0x9E3779B97F4A7C15) % 2**64)
+    return g

@@ -1,0 +1,123 @@
+"""A request's state in the engine, and the state of each sequence (one member x one choice)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = 1
+    RUNNING = 2
+    FINISHED = 3
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None   # k alternatives (plus the chosen token), or None for no tables
+    echo: bool = False
+
+
+@dataclass
+class Request:
+    id: int
+    sampling: Sampling
+    prompts: list[list[int]]
+    sequences: list["Sequence"] = field(default_factory=list)
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first_forward: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.sequences)
+
+
+class StopText:
+    """Holds back generated tokens until it is certain they are not part of a stop string.
+
+    Matching runs on the generated UTF-8 bytes, which is exact for any valid stop string
+    (UTF-8 is self-synchronizing). When a stop string matches, tokens wholly before it are
+    released, a token that runs into it is released with `keep` = the bytes before the stop,
+    and the rest is dropped.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [(s, s.encode()) for s in stops]
+        self.longest = max((len(b) for _, b in self.stops), default=0)
+        self.buf = bytearray()
+        self.pending: list[tuple[dict, int, int]] = []  # (token entry, start, end) in buf
+
+    def push(self, entry: dict, data: bytes) -> tuple[list[dict], str | None]:
+        """Add one token; returns (entries released, matched stop string or None)."""
+        start = len(self.buf)
+        self.buf += data
+        self.pending.append((entry, start, len(self.buf)))
+        if not self.stops:
+            return self.flush(), None
+        window = max(0, start - self.longest + 1)
+        hit: tuple[int, str] | None = None
+        for text, b in self.stops:
+            p = self.buf.find(b, window)
+            if p >= 0 and (hit is None or p < hit[0]):
+                hit = (p, text)
+        if hit is not None:
+            return self._cut(hit[0]), hit[1]
+        hold = 0
+        for _, b in self.stops:
+            for n in range(min(len(b) - 1, len(self.buf)), hold, -1):
+                if self.buf.endswith(b[:n]):
+                    hold = n
+                    break
+        safe = len(self.buf) - hold
+        out = []
+        while self.pending and self.pending[0][2] <= safe:
+            out.append(self.pending.pop(0)[0])
+        return out, None
+
+    def _cut(self, p: int) -> list[dict]:
+        out = []
+        for entry, start, end in self.pending:
+            if end <= p:
+                out.append(entry)
+            elif start < p:
+                out.append({**entry, "keep": p - start})
+        self.pending = []
+        return out
+
+    def flush(self) -> list[dict]:
+        out = [e for e, _, _ in self.pending]
+        self.pending = []
+        return out
+
+
+@dataclass
+class Sequence:
+    request: Request
+    member: int
+    choice: int
+    prompt: list[int]
+    generator: object  # torch.Generator
+    stop_text: StopText
+    out: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    cache: object = None          # the model's KV cache for this sequence
+    finish_reason: str | None = None
+    stop_matched: str | None = None
+    counts: object = None         # per-token counts of generated ids (penalties)
+
+    @property
+    def done_budget(self) -> bool:
+        return len(self.out) >= self.request.sampling.max_tokens

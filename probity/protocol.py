@@ -1,0 +1,347 @@
+"""The server <-> engine pipe: frame kinds, bounds, schemas, encoding and checked reading.
+
+Both ends and the tests import this module; it is the single declaration of the wire.
+See docs/protocol.md for the prose version, which must match this file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+PROTOCOL_VERSION = 1
+MAX_HEADER = 64  # bytes, LF excluded
+_HEADER_RE = re.compile(rb"([A-Z]{1,10}) (0|[1-9][0-9]{0,19}) ([0-9]{1,9})")
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+class ProtocolViolation(Exception):
+    """The peer broke the framing, bounds, schema or order rules. Never recoverable on the same pipe."""
+
+
+# ---------------------------------------------------------------- schemas
+# A schema is a callable(value, path) that raises ProtocolViolation. The helpers below build
+# them; every object schema rejects unknown keys.
+
+Schema = Callable[[Any, str], None]
+
+
+def _fail(path: str, what: str) -> None:
+    raise ProtocolViolation(f"{path}: {what}")
+
+
+def Int(lo: int = 0, hi: int = 2**63 - 1) -> Schema:
+    def check(v: Any, path: str) -> None:
+        if type(v) is not int or not lo <= v <= hi:
+            _fail(path, f"expected int in [{lo}, {hi}]")
+    return check
+
+
+def Num() -> Schema:
+    def check(v: Any, path: str) -> None:
+        if type(v) not in (int, float) or (type(v) is float and not math.isfinite(v)):
+            _fail(path, "expected finite number")
+    return check
+
+
+def Str(max_len: int = 1 * MiB) -> Schema:
+    def check(v: Any, path: str) -> None:
+        if type(v) is not str or len(v) > max_len:
+            _fail(path, f"expected string of at most {max_len} chars")
+    return check
+
+
+def Bool() -> Schema:
+    def check(v: Any, path: str) -> None:
+        if type(v) is not bool:
+            _fail(path, "expected bool")
+    return check
+
+
+_HEX_RE = re.compile(r"(?:[0-9a-f]{2})*")
+
+
+def Hex(max_bytes: int = 4 * KiB) -> Schema:
+    def check(v: Any, path: str) -> None:
+        if type(v) is not str or len(v) > 2 * max_bytes or not _HEX_RE.fullmatch(v):
+            _fail(path, "expected lower-case hex bytes")
+    return check
+
+
+def Enum(*values: str) -> Schema:
+    def check(v: Any, path: str) -> None:
+        if v not in values or type(v) is not str:
+            _fail(path, f"expected one of {values}")
+    return check
+
+
+def Null(inner: Schema) -> Schema:
+    def check(v: Any, path: str) -> None:
+        if v is not None:
+            inner(v, path)
+    return check
+
+
+def List(item: Schema, max_len: int, min_len: int = 0) -> Schema:
+    def check(v: Any, path: str) -> None:
+        if type(v) is not list or not min_len <= len(v) <= max_len:
+            _fail(path, f"expected list of {min_len}..{max_len} items")
+        for i, x in enumerate(v):
+            item(x, f"{path}[{i}]")
+    return check
+
+
+def Tuple(*items: Schema) -> Schema:
+    def check(v: Any, path: str) -> None:
+        if type(v) is not list or len(v) != len(items):
+            _fail(path, f"expected list of exactly {len(items)} items")
+        for i, (x, s) in enumerate(zip(v, items)):
+            s(x, f"{path}[{i}]")
+    return check
+
+
+def Obj(required: dict[str, Schema], optional: dict[str, Schema] | None = None) -> Schema:
+    optional = optional or {}
+
+    def check(v: Any, path: str) -> None:
+        if type(v) is not dict:
+            _fail(path, "expected object")
+        for k in required:
+            if k not in v:
+                _fail(path, f"missing key {k!r}")
+        for k, x in v.items():
+            s = required.get(k) or optional.get(k)
+            if s is None:
+                _fail(path, f"unknown key {k!r}")
+            s(x, f"{path}.{k}")
+    return check
+
+
+def Any_() -> Schema:
+    """A JSON value checked by the peer's own validation (used only for SUBMIT bodies,
+    which the engine validates field by field and answers with a named BAD_REQUEST)."""
+    def check(v: Any, path: str) -> None:
+        return None
+    return check
+
+
+# ---------------------------------------------------------------- frame kinds
+
+MAX_LOGPROBS = 32
+MAX_MEMBERS = 128
+MAX_CHOICES = 16
+MAX_TOP = MAX_LOGPROBS + 1
+ID = Int(0, 2**64 - 1)
+TOKEN_ID = Int(0, 2**31 - 1)
+LOGPROB = Null(Num())
+TOP = List(Tuple(TOKEN_ID, Hex(), LOGPROB), MAX_TOP)
+
+ERROR_CODES = (
+    "BAD_REQUEST",        # a field of the SUBMIT payload is invalid
+    "CONTEXT_EXCEEDED",   # prompt + max_tokens beyond the context window
+    "PROMPT_BUDGET",      # the members' prompt tokens together exceed max_prompt_tokens
+    "CANCELLED",          # answered a CANCEL
+    "OVERLOADED",         # the engine has no room for it
+    "INTERNAL",           # the engine failed while running it
+    "PROTOCOL",           # id 0 only: the engine could not read the server's frames; it exits
+)
+
+_position = Obj(
+    {"id": TOKEN_ID, "bytes": Hex(), "logprob": LOGPROB},
+    {"top": Null(TOP)},
+)
+_token = Obj(
+    {"id": TOKEN_ID, "bytes": Hex(), "logprob": LOGPROB},
+    {"top": Null(TOP), "keep": Int(0, 4 * KiB)},
+)
+_usage = Obj({"prompt_tokens": Int(), "completion_tokens": Int(), "cached_tokens": Int()})
+_finished = Obj({
+    "member": Int(0, MAX_MEMBERS - 1),
+    "choice": Int(0, MAX_CHOICES - 1),
+    "finish_reason": Enum("stop", "length", "cancelled"),
+    "stop": Null(Str(4 * KiB)),
+    "completion_tokens": Int(),
+})
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    sender: str          # "server" or "engine"
+    max_payload: int     # bytes
+    schema: Schema
+    reserved: bool = False  # drained and dropped by the reader's consumer
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def _kind(name: str, sender: str, max_payload: int, schema: Schema, reserved: bool = False) -> None:
+    KINDS[name] = Kind(name, sender, max_payload, schema, reserved)
+
+
+# server -> engine
+_kind("SUBMIT", "server", 16 * MiB, Obj({"op": Enum("generate", "tokenize", "detokenize", "render")},
+                                        {k: Any_() for k in (
+                                            "members", "max_tokens", "temperature", "top_p", "top_k",
+                                            "seed", "n", "stop", "presence_penalty", "frequency_penalty",
+                                            "logit_bias", "logprobs", "echo", "add_special_tokens",
+                                            "ids", "max_prompt_tokens")}))
+_kind("CANCEL", "server", 64, Obj({}))
+_kind("SHUTDOWN", "server", 64, Obj({}))
+# engine -> server
+_kind("READY", "engine", 1 * MiB, Obj({
+    "protocol": Int(),
+    "model": Obj({
+        "id": Str(256), "context_length": Int(1), "vocab_size": Int(1),
+        "eos_token_ids": List(TOKEN_ID, 64), "bos_token": Null(Str(256)), "eos_token": Null(Str(256)),
+        "dtype": Str(32), "fingerprint": Str(256), "chat_template": Null(Str(256 * KiB)),
+        "source": Str(4096),
+    }),
+    "capabilities": Obj({
+        "logprobs": Bool(), "max_logprobs": Int(0, 1024), "echo": Bool(), "token_ids": Bool(),
+        "seed": Bool(), "chat_template": Bool(), "max_members": Int(1), "max_choices": Int(1),
+    }),
+    "concurrency": Int(1, 4096),
+}))
+_kind("ACCEPT", "engine", 64 * KiB, Obj({
+    "members": List(Obj({"prompt_tokens": Int(), "cached_tokens": Int()}), MAX_MEMBERS, 1),
+}))
+_kind("ECHO", "engine", 4 * MiB, Obj({
+    "member": Int(0, MAX_MEMBERS - 1), "start": Int(), "positions": List(_position, 4096, 1),
+}))
+_kind("TOKEN", "engine", 1 * MiB, Obj({
+    "member": Int(0, MAX_MEMBERS - 1), "choice": Int(0, MAX_CHOICES - 1),
+    "tokens": List(_token, 256, 1),
+}))
+_kind("DONE", "engine", 16 * MiB, Obj({}, {
+    "choices": List(_finished, MAX_MEMBERS * MAX_CHOICES),
+    "usage": _usage,
+    "timings": Obj({}, {k: Num() for k in ("queue_s", "prefill_s", "decode_s")}),
+    "result": Obj({}, {
+        "ids": List(TOKEN_ID, 1 << 21), "text": Str(16 * MiB), "count": Int(),
+    }),
+}))
+_kind("ERROR", "engine", 64 * KiB, Obj(
+    {"code": Enum(*ERROR_CODES), "message": Str(16 * KiB)},
+    {"member": Int(0, MAX_MEMBERS - 1), "param": Str(256)},
+))
+_kind("STATS", "engine", 64 * KiB, Obj({}, {
+    "active": Int(), "waiting": Int(), "tokens_per_s": Num(), "steps": Int(),
+}))
+for _name in ("GRPP", "GRPG", "GRPS", "GRPE"):
+    _kind(_name, "engine", 1 * MiB, lambda v, p: None if type(v) is dict else _fail(p, "expected object"),
+          reserved=True)
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: str
+    id: int
+    payload: dict
+
+
+# ---------------------------------------------------------------- encoding
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def encode(kind: str, rid: int, payload: dict) -> bytes:
+    """Encode one frame. Floats go out with repr precision (round-trips exactly);
+    a non-finite float here is a bug in the caller and raises."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown frame kind {kind}")
+    body = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+    if len(body) > KINDS[kind].max_payload:
+        raise ValueError(f"{kind} payload of {len(body)} bytes exceeds its bound")
+    return b"%s %d %d\n%s\n" % (kind.encode(), rid, len(body), body)
+
+
+# ---------------------------------------------------------------- decoding
+
+def parse_header(line: bytes, expect_sender: str) -> tuple[Kind, int, int]:
+    """Check a header line (without its LF): shape, kind, id, and the kind's length bound."""
+    if len(line) > MAX_HEADER:
+        raise ProtocolViolation(f"header longer than {MAX_HEADER} bytes")
+    m = _HEADER_RE.fullmatch(line)
+    if not m:
+        raise ProtocolViolation(f"malformed header {line[:MAX_HEADER]!r}")
+    name, rid, length = m.group(1).decode(), int(m.group(2)), int(m.group(3))
+    kind = KINDS.get(name)
+    if kind is None or kind.sender != expect_sender:
+        raise ProtocolViolation(f"unexpected frame kind {name}")
+    if rid >= 2**64:
+        raise ProtocolViolation("id out of range")
+    if length > kind.max_payload:
+        raise ProtocolViolation(f"{name} length {length} exceeds bound {kind.max_payload}")
+    return kind, rid, length
+
+
+def parse_payload(kind: Kind, rid: int, data: bytes) -> Frame:
+    """Check payload + terminator (data holds length+1 bytes) and the kind's schema."""
+    if data[-1:] != b"\n":
+        raise ProtocolViolation(f"{kind.name} frame not terminated by LF")
+    try:
+        obj = json.loads(data[:-1].decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolViolation(f"{kind.name} payload is not JSON: {e}") from None
+    if type(obj) is not dict:
+        raise ProtocolViolation(f"{kind.name} payload is not an object")
+    kind.schema(obj, kind.name)
+    return Frame(kind.name, rid, obj)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+class SyncReader:
+    """Blocking frame reader over a binary file (the engine's stdin)."""
+
+    def __init__(self, stream, expect_sender: str):
+        self._s = stream
+        self._sender = expect_sender
+
+    def read(self) -> Frame | None:
+        """The next frame, or None on a clean EOF at a frame boundary."""
+        line = self._s.readline(MAX_HEADER + 1)
+        if not line:
+            return None
+        if not line.endswith(b"\n"):
+            raise ProtocolViolation("header not terminated within bound")
+        kind, rid, length = parse_header(line[:-1], self._sender)
+        data = self._s.read(length + 1)
+        if len(data) != length + 1:
+            raise ProtocolViolation("EOF inside a frame")
+        return parse_payload(kind, rid, data)
+
+
+class AsyncReader:
+    """Frame reader over an asyncio.StreamReader (the server's view of engine stdout)."""
+
+    def __init__(self, stream, expect_sender: str):
+        self._s = stream
+        self._sender = expect_sender
+
+    async def read(self) -> Frame | None:
+        import asyncio
+
+        try:
+            line = await self._s.readuntil(b"\n")
+        except asyncio.IncompleteReadError as e:
+            if not e.partial:
+                return None
+            raise ProtocolViolation("EOF inside a header") from None
+        except asyncio.LimitOverrunError:
+            raise ProtocolViolation("header not terminated within bound") from None
+        kind, rid, length = parse_header(line[:-1], self._sender)
+        try:
+            data = await self._s.readexactly(length + 1)
+        except asyncio.IncompleteReadError:
+            raise ProtocolViolation("EOF inside a frame") from None
+        return parse_payload(kind, rid, data)

@@ -1,0 +1,228 @@
+"""The ASGI application: middleware (request id, auth, body cap), routes, the shared service."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from .admission import Admission
+from .engine_client import EngineClient
+from .errors import APIError
+from .generation import ClientGone
+from .metrics import Metrics
+from .validation import Limits
+
+log = logging.getLogger("probity.server")
+
+
+@dataclass
+class Config:
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 128
+    queue_timeout: float = 120.0
+    accept_timeout: float = 30.0
+    max_body: int = 4 * 1024 * 1024
+    limits: Limits = field(default_factory=Limits)
+    engine_args: list[str] = field(default_factory=list)
+    engine_command: list[str] | None = None
+
+
+class Service:
+    def __init__(self, config: Config):
+        self.config = config
+        self.limits = config.limits
+        self.metrics = Metrics()
+        self.engine = EngineClient(config.model, accept_timeout=config.accept_timeout,
+                                   engine_args=config.engine_args, command=config.engine_command,
+                                   on_ready=self._engine_ready)
+        self.admission = Admission(capacity=1, max_queue=config.max_queue, timeout=config.queue_timeout)
+        self.metrics.gauge("probity_queue_depth", lambda: self.admission.queued)
+        self.metrics.gauge("probity_requests_active", lambda: self.admission.active)
+        self.metrics.gauge("probity_engine_restarts", lambda: self.engine.restarts)
+        self.metrics.gauge("probity_engine_up", lambda: 1 if self.engine.up else 0)
+
+    def _engine_ready(self, info: dict) -> None:
+        self.admission.capacity = info["concurrency"]
+
+    def ready_info(self) -> dict:
+        if not self.engine.up or self.engine.ready_info is None:
+            raise self.engine.unavailable()
+        return self.engine.ready_info
+
+
+async def read_json(request: Request, cap: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise APIError("request_too_large", f"request body exceeds {cap} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise APIError("request_too_large", f"request body exceeds {cap} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+    except UnicodeDecodeError:
+        raise APIError("invalid_json", "the request body is not valid UTF-8") from None
+    except ValueError as e:
+        raise APIError("invalid_json", f"the request body is not valid JSON: {e}") from None
+    if type(body) is not dict:
+        raise APIError("invalid_body", "the request body must be a JSON object")
+    return body
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def create_app(config: Config) -> FastAPI:
+    svc = Service(config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await svc.engine.start()
+        yield
+        await svc.engine.stop()
+
+    app = FastAPI(title="probity", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI- and Anthropic-compatible inference server with exact instrumentation. "
+                              "Field-by-field contract: docs/api.md.")
+    app.state.svc = svc
+
+    app.add_middleware(Envelope, svc=svc)
+
+    async def handle(request: Request, fn, anthropic: bool = False) -> Response:
+        try:
+            body = await read_json(request, config.max_body)
+            result = await fn(svc, request, body)
+            return JSONResponse(result) if isinstance(result, dict) else result
+        except APIError as e:
+            return e.response(anthropic)
+        except ClientGone:
+            return Response(status_code=499)
+
+    from . import openai_api
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, openai_api.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, openai_api.chat_completions)
+
+    from . import tokenizer_api
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await handle(request, tokenizer_api.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await handle(request, tokenizer_api.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        try:
+            return JSONResponse(tokenizer_api.tokenizer_info(svc))
+        except APIError as e:
+            return e.response()
+
+    @app.get("/v1/models")
+    async def models():
+        try:
+            m = svc.ready_info()["model"]
+        except APIError as e:
+            return e.response()
+        return {"object": "list", "data": [_model_card(m)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        try:
+            m = svc.ready_info()["model"]
+        except APIError as e:
+            return e.response()
+        if model_id != m["id"]:
+            return APIError("model_not_found", f"model '{model_id}' is not served here", "model").response()
+        return _model_card(m)
+
+    @app.get("/health")
+    async def health():
+        e = svc.engine
+        body = {"status": "ok" if e.up else e.state, "engine": e.health(),
+                "model": e.ready_info["model"]["id"] if e.ready_info else None,
+                "capacity": svc.admission.capacity, "active": svc.admission.active, "queued": svc.admission.queued}
+        return JSONResponse(body, status_code=200 if e.up else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(svc.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        anthropic = request.url.path.startswith("/v1/messages")
+        if exc.status_code == 405:
+            return APIError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}").response(anthropic)
+        return APIError("not_found", f"no route {request.method} {request.url.path}").response(anthropic)
+
+    return app
+
+
+class Envelope:
+    """Pure ASGI middleware (keeps disconnect detection and streaming intact): request id on
+    every response, API-key check, request metrics and a log line."""
+
+    def __init__(self, app, svc: Service):
+        self.app = app
+        self.svc = svc
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id") or f"req_{uuid.uuid4().hex}"
+        path = scope["path"]
+        anthropic = path.startswith("/v1/messages")
+        t0 = time.monotonic()
+        status = [0]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        key = self.svc.config.api_key
+        if key and path != "/health":
+            given = headers.get("x-api-key")
+            auth = headers.get("authorization", "")
+            if given is None and auth.lower().startswith("bearer "):
+                given = auth[7:].strip()
+            if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+                resp = APIError("invalid_api_key", "missing or wrong API key").response(anthropic)
+                return await resp(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.svc.metrics.inc("probity_http_requests_total", endpoint=path if status[0] != 404 else "other",
+                                 status=str(status[0]))
+            log.info("%s %s %s %d %.3fs", rid, scope["method"], path, status[0], time.monotonic() - t0)
+
+
+def _model_card(m: dict) -> dict:
+    return {"id": m["id"], "object": "model", "created": 0, "owned_by": "probity",
+            "max_model_len": m["context_length"]}

@@ -1,0 +1,117 @@
+"""Turn the engine's token entries (exact bytes, raw logprobs, top tables) into text and the
+OpenAI logprobs shapes.
+
+Text is the UTF-8 decoding of the token bytes, one incremental decoder per choice, so a
+token that ends mid-character contributes "" and the token that completes the character
+carries it; `"".join(tokens) == text` by construction.
+
+Top-table labels (completions): the token actually at the position is labelled with its
+own text contribution, so lm-eval's greedy check (`max(top) == token`) works. Other
+entries are labelled with their own text, or `bytes:\\xNN...` when their bytes are not
+valid UTF-8 on their own; an entry whose label is already taken in the same table is
+labelled `token_id:N` instead, so no two entries ever collapse.
+"""
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+
+
+def own_label(b: bytes) -> str:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
+def entry_bytes(e: dict) -> bytes:
+    b = bytes.fromhex(e["bytes"])
+    return b[: e["keep"]] if "keep" in e else b
+
+
+@dataclass
+class Piece:
+    """One token position, ready for any of the response shapes."""
+    id: int
+    raw: bytes          # the token's exact bytes (cut by `keep` at a stop string)
+    text: str           # its contribution to the text
+    logprob: float | None
+    top: list | None    # [[id, hex, logprob], ...] sorted, or None
+    conditioned: bool = True  # False only for echo position 0
+
+
+class TextBuilder:
+    """One choice's decoder. Feed pieces in order; `finish` flushes an incomplete tail."""
+
+    def __init__(self):
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pieces: list[Piece] = []
+
+    def feed(self, e: dict, conditioned: bool = True) -> Piece:
+        raw = entry_bytes(e)
+        p = Piece(e["id"], raw, self.dec.decode(raw), e["logprob"], e.get("top"), conditioned)
+        self.pieces.append(p)
+        return p
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.dec.getstate()[0])
+
+    def finish(self) -> str:
+        tail = self.dec.decode(b"", final=True)
+        if tail and self.pieces:
+            self.pieces[-1].text += tail
+        return tail
+
+
+@dataclass
+class CompletionLogprobs:
+    tokens: list = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    text_offset: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+
+def completion_logprobs(pieces: list[Piece], start_offset: int, token_ids: bool) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    offset = start_offset
+    for p in pieces:
+        label = f"token_id:{p.id}" if token_ids else p.text
+        out.tokens.append(label)
+        out.text_offset.append(offset)
+        offset += len(p.text)
+        if not p.conditioned:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(p.logprob)
+        out.top_logprobs.append(top_dict(p, label, token_ids) if p.top is not None else None)
+    return out
+
+
+def top_dict(p: Piece, label: str, token_ids: bool) -> dict:
+    taken = {label}
+    table = {}
+    for tid, hexb, lp in p.top:
+        if tid == p.id:
+            name = label
+        else:
+            name = f"token_id:{tid}" if token_ids else own_label(bytes.fromhex(hexb))
+            if name in taken:
+                name = f"token_id:{tid}"
+        taken.add(name)
+        table[name] = lp
+    return table
+
+
+def chat_logprobs(pieces: list[Piece]) -> list[dict]:
+    out = []
+    for p in pieces:
+        top = [{"token": own_label(bytes.fromhex(h)), "logprob": lp, "bytes": list(bytes.fromhex(h))}
+               for _, h, lp in (p.top or [])]
+        out.append({"token": own_label(p.raw), "logprob": p.logprob, "bytes": list(p.raw), "top_logprobs": top})
+    return out

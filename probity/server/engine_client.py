@@ -1,0 +1,328 @@
+"""The server's side of the pipe: start and supervise the engine child, send checked frames,
+validate every frame it sends back, and route each to the request it belongs to.
+
+Any protocol violation, EOF or failed write fails every request in flight with a named
+error, kills the engine and restarts it with backoff. Nothing resynchronizes on a pipe
+that has once gone wrong.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .. import protocol as P
+from ..protocol import Frame
+from .errors import APIError
+
+log = logging.getLogger("probity.engine_client")
+
+ENGINE_CODE_MAP = {
+    # engine ERROR code -> (API error code, message prefix)
+    "BAD_REQUEST": "invalid_value",
+    "CONTEXT_EXCEEDED": "context_length_exceeded",
+    "PROMPT_BUDGET": "prompt_batch_token_budget_exceeded",
+    "OVERLOADED": "engine_unavailable",
+    "INTERNAL": "engine_error",
+    "CANCELLED": "engine_error",
+}
+
+
+def _pdeathsig() -> None:
+    """In the child before exec: die with the server even if the server is SIGKILLed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+@dataclass
+class Channel:
+    """One request's view of the pipe, and the order rules its frames must follow."""
+    id: int
+    members: int
+    choices: int
+    echo: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepted: bool = False
+    terminal: bool = False
+    abandoned: bool = False
+    echo_next: dict[int, int] = field(default_factory=dict)
+    tokens_started: set[int] = field(default_factory=set)
+
+    def check(self, f: Frame) -> None:
+        """Raise ProtocolViolation if f breaks this request's order."""
+        if self.terminal:
+            raise P.ProtocolViolation(f"{f.kind} for request {self.id} after its terminal frame")
+        if f.kind == "ACCEPT":
+            if self.accepted:
+                raise P.ProtocolViolation(f"second ACCEPT for request {self.id}")
+            if len(f.payload["members"]) != self.members:
+                raise P.ProtocolViolation(f"ACCEPT for request {self.id} lists {len(f.payload['members'])} members, expected {self.members}")
+            self.accepted = True
+        elif f.kind in ("ECHO", "TOKEN", "DONE"):
+            if not self.accepted:
+                raise P.ProtocolViolation(f"{f.kind} for request {self.id} before ACCEPT")
+            if f.kind != "DONE" and f.payload["member"] >= self.members:
+                raise P.ProtocolViolation(f"member {f.payload['member']} out of range for request {self.id}")
+            if f.kind == "ECHO":
+                m = f.payload["member"]
+                if not self.echo or m in self.tokens_started or f.payload["start"] != self.echo_next.get(m, 0):
+                    raise P.ProtocolViolation(f"ECHO out of order for request {self.id} member {m}")
+                self.echo_next[m] = f.payload["start"] + len(f.payload["positions"])
+            elif f.kind == "TOKEN":
+                if f.payload["choice"] >= self.choices:
+                    raise P.ProtocolViolation(f"choice out of range for request {self.id}")
+                m = f.payload["member"]
+                if self.echo and m not in self.echo_next:
+                    raise P.ProtocolViolation(f"TOKEN before ECHO for request {self.id} member {m}")
+                self.tokens_started.add(m)
+            else:
+                self.terminal = True
+        elif f.kind == "ERROR":
+            self.terminal = True
+
+    async def wait_accept(self, timeout: float) -> dict:
+        """The ACCEPT payload; raises the named error if the engine refuses or never answers."""
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise APIError("engine_timeout", f"the engine did not acknowledge the request within {timeout:g}s",
+                           headers={"Retry-After": "5"}) from None
+        return self._unwrap(item).payload
+
+    async def next(self) -> Frame:
+        """The next ECHO/TOKEN/DONE frame; raises on ERROR or engine failure."""
+        return self._unwrap(await self.queue.get())
+
+    def _unwrap(self, item) -> Frame:
+        if isinstance(item, APIError):
+            raise item
+        if item.kind == "ERROR":
+            raise engine_error_to_api(item.payload)
+        return item
+
+
+def engine_error_to_api(p: dict) -> APIError:
+    code = ENGINE_CODE_MAP.get(p["code"], "engine_error")
+    err = APIError(code, p["message"], p.get("param"))
+    err.member = p.get("member")  # type: ignore[attr-defined]
+    return err
+
+
+class EngineClient:
+    def __init__(self, model: str, accept_timeout: float = 30.0, max_restarts: int = 5,
+                 engine_args: list[str] | None = None, command: list[str] | None = None, on_ready=None):
+        self.model = model
+        self.on_ready = on_ready
+        self.accept_timeout = accept_timeout
+        self.max_restarts = max_restarts
+        self.command = command or [sys.executable, "-m", "probity.engine", "--model", model, *(engine_args or [])]
+        self.state = "stopped"  # starting | ready | restarting | failed | stopped
+        self.ready_info: dict | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.channels: dict[int, Channel] = {}
+        self.next_id = 1
+        self.restarts = 0
+        self.crashes_in_row = 0
+        self.last_error: str | None = None
+        self.stats: dict = {}
+        self._ready = asyncio.Event()
+        self._reader: asyncio.Task | None = None
+        self._restart_task: asyncio.Task | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.state = "starting" if self.restarts == 0 else "restarting"
+        self._ready.clear()
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            preexec_fn=_pdeathsig, limit=1 << 16)
+        self._reader = asyncio.create_task(self._read_loop(self.proc))
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def stop(self, grace: float = 5.0) -> None:
+        self._stopping = True
+        self.state = "stopped"
+        if self._restart_task:
+            self._restart_task.cancel()
+        proc = self.proc
+        if proc and proc.returncode is None:
+            try:
+                proc.stdin.write(P.encode("SHUTDOWN", 0, {}))
+                await asyncio.wait_for(proc.stdin.drain(), 1)
+                proc.stdin.close()
+                await asyncio.wait_for(proc.wait(), grace)
+            except (OSError, asyncio.TimeoutError, ConnectionError):
+                pass
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        self._fail_all(APIError("engine_unavailable", "the server is shutting down"))
+
+    @property
+    def up(self) -> bool:
+        return self.state == "ready"
+
+    def _broken(self, reason: str, proc) -> None:
+        """The pipe to `proc` cannot be trusted any more."""
+        if proc is not self.proc or self.state in ("stopped",):
+            return
+        log.error("engine link broken: %s", reason)
+        self.last_error = reason
+        self.state = "down"
+        self._ready.clear()
+        self._fail_all(APIError("engine_error", f"the engine failed: {reason}"))
+        if proc.returncode is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+        if not self._stopping:
+            self._restart_task = asyncio.create_task(self._restart())
+
+    def _fail_all(self, err: APIError) -> None:
+        channels, self.channels = self.channels, {}
+        for ch in channels.values():
+            ch.terminal = True
+            ch.queue.put_nowait(err)
+
+    async def _restart(self) -> None:
+        self.crashes_in_row += 1
+        if self.crashes_in_row > self.max_restarts:
+            self.state = "failed"
+            log.error("engine crashed %d times in a row; not restarting", self.crashes_in_row - 1)
+            return
+        self.state = "restarting"
+        delay = min(0.25 * 2 ** (self.crashes_in_row - 1), 8.0)
+        await asyncio.sleep(delay)
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+        if self.proc is not None:
+            await self.proc.wait()
+        self.restarts += 1
+        await self.start()
+
+    # ------------------------------------------------------------ reading
+    async def _read_loop(self, proc) -> None:
+        reader = P.AsyncReader(proc.stdout, "engine")
+        try:
+            while True:
+                frame = await reader.read()
+                if frame is None:
+                    await proc.wait()
+                    self._broken(f"engine exited (status {proc.returncode})", proc)
+                    return
+                self._dispatch(frame)
+        except P.ProtocolViolation as e:
+            self._broken(f"protocol violation: {e}", proc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never let the reader die silently
+            self._broken(f"reader failed: {type(e).__name__}: {e}", proc)
+
+    def _dispatch(self, f: Frame) -> None:
+        kind = P.KINDS[f.kind]
+        if kind.reserved:
+            return  # group-scoring channel: drained (already bounded and checked), no effect
+        if f.id == 0:
+            if f.kind == "READY" and self.state in ("starting", "restarting"):
+                if f.payload["protocol"] != P.PROTOCOL_VERSION:
+                    raise P.ProtocolViolation(f"engine speaks protocol {f.payload['protocol']}")
+                self.ready_info = f.payload
+                self.state = "ready"
+                self.crashes_in_row = 0
+                self._ready.set()
+                if self.on_ready:
+                    self.on_ready(f.payload)
+                log.info("engine ready: %s", f.payload["model"]["id"])
+            elif f.kind == "STATS":
+                self.stats = f.payload
+            elif f.kind == "ERROR":
+                raise P.ProtocolViolation(f"engine reported {f.payload['code']}: {f.payload['message']}")
+            else:
+                raise P.ProtocolViolation(f"unexpected {f.kind} for id 0")
+            return
+        if f.kind == "READY" or f.kind == "STATS":
+            raise P.ProtocolViolation(f"{f.kind} with a request id")
+        ch = self.channels.get(f.id)
+        if ch is None:
+            raise P.ProtocolViolation(f"{f.kind} for request {f.id}, which is not in flight")
+        ch.check(f)
+        if ch.terminal:
+            del self.channels[f.id]
+        if not ch.abandoned:
+            ch.queue.put_nowait(f)
+
+    # ------------------------------------------------------------ writing
+    async def _write(self, data: bytes) -> None:
+        proc = self.proc
+        try:
+            if proc is None or proc.stdin.is_closing():
+                raise ConnectionError("engine stdin is closed")
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+        except (OSError, ConnectionError, RuntimeError) as e:
+            self._broken(f"write to engine failed: {e}", proc)
+            raise APIError("engine_error", f"could not send the request to the engine: {e}") from None
+
+    async def submit(self, payload: dict, members: int = 1, choices: int = 1, echo: bool = False) -> Channel:
+        if self.state != "ready":
+            raise self.unavailable()
+        rid = self.next_id
+        self.next_id += 1
+        ch = Channel(rid, members, choices, echo)
+        self.channels[rid] = ch
+        try:
+            await self._write(P.encode("SUBMIT", rid, payload))
+        except APIError:
+            self.channels.pop(rid, None)
+            raise
+        return ch
+
+    def unavailable(self) -> APIError:
+        what = {"failed": "the engine failed repeatedly and is not being restarted",
+                "starting": "the engine is starting", "restarting": "the engine is restarting",
+                "down": "the engine is down"}.get(self.state, f"the engine is {self.state}")
+        return APIError("engine_unavailable", what, headers={"Retry-After": "2"})
+
+    def cancel(self, ch: Channel) -> None:
+        """Abandon a request: its later frames are still read and checked, then dropped."""
+        if ch.terminal or ch.abandoned:
+            return
+        ch.abandoned = True
+        if self.channels.get(ch.id) is ch:
+            asyncio.get_running_loop().create_task(self._cancel_write(ch.id))
+
+    async def _cancel_write(self, rid: int) -> None:
+        try:
+            await self._write(P.encode("CANCEL", rid, {}))
+        except APIError:
+            pass
+
+    async def run_op(self, payload: dict) -> dict:
+        """A non-generate op (tokenize, detokenize, render): its DONE result."""
+        ch = await self.submit(payload)
+        try:
+            await ch.wait_accept(self.accept_timeout)
+            f = await ch.next()
+            return f.payload["result"]
+        finally:
+            self.cancel(ch)
+
+    def health(self) -> dict:
+        return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,
+                "in_flight": len(self.channels), "pid": self.proc.pid if self.proc else None}

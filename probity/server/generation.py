@@ -1,0 +1,145 @@
+"""One generate request's life on the server: admission, SUBMIT, ACCEPT, frames, release.
+
+Shared by every endpoint so that the commit point (the engine's ACCEPT), cancellation on
+disconnect and slot release are the same everywhere.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from .engine_client import Channel
+from .errors import APIError
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Outcome:
+    """Everything the engine said about a finished request."""
+    accept: dict
+    echo: dict[int, list[dict]] = field(default_factory=dict)          # member -> positions
+    tokens: dict[tuple[int, int], list[dict]] = field(default_factory=dict)  # (member, choice) -> entries
+    done: dict | None = None
+
+
+class Generation:
+    def __init__(self, svc, payload: dict, members: int, choices: int, echo: bool):
+        self.svc = svc
+        self.payload = payload
+        self.members = members
+        self.choices = choices
+        self.echo = echo
+        self.ch: Channel | None = None
+        self.accept: dict | None = None
+        self.queue_s = 0.0
+        self.t0 = time.monotonic()
+        self.first_token_at: float | None = None
+        self._slot = False
+
+    async def start(self) -> dict:
+        """Wait for a slot, submit, and wait for the engine's ACCEPT. Raises a named error;
+        after a raise nothing of this request is left anywhere."""
+        svc = self.svc
+        try:
+            self.queue_s = await svc.admission.acquire()
+            self._slot = True
+            self.ch = await svc.engine.submit(self.payload, self.members, self.choices, self.echo)
+            self.accept = await self.ch.wait_accept(svc.engine.accept_timeout)
+            return self.accept
+        except BaseException:
+            self.close()
+            raise
+
+    async def frames(self):
+        """ECHO and TOKEN frames, then the DONE payload as the last item."""
+        while True:
+            f = await self.ch.next()
+            if f.kind == "DONE":
+                yield f
+                return
+            if f.kind == "TOKEN" and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+                self.svc.metrics.observe("probity_time_to_first_token_seconds", self.first_token_at - self.t0)
+            yield f
+
+    async def collect(self) -> Outcome:
+        out = Outcome(self.accept)
+        async for f in self.frames():
+            p = f.payload
+            if f.kind == "ECHO":
+                out.echo.setdefault(p["member"], []).extend(p["positions"])
+            elif f.kind == "TOKEN":
+                out.tokens.setdefault((p["member"], p["choice"]), []).extend(p["tokens"])
+            else:
+                out.done = p
+        self.account(out.done)
+        return out
+
+    def account(self, done: dict) -> None:
+        u = done.get("usage", {})
+        m = self.svc.metrics
+        m.inc("probity_prompt_tokens_total", u.get("prompt_tokens", 0))
+        m.inc("probity_completion_tokens_total", u.get("completion_tokens", 0))
+        m.inc("probity_cached_prompt_tokens_total", u.get("cached_tokens", 0))
+        n = u.get("completion_tokens", 0)
+        if n > 1 and self.first_token_at is not None:
+            m.observe("probity_time_per_output_token_seconds", (time.monotonic() - self.first_token_at) / (n - 1))
+
+    def close(self) -> None:
+        """Idempotent: cancel the engine work if it is still running, free the slot."""
+        if self.ch is not None:
+            self.svc.engine.cancel(self.ch)
+        if self._slot:
+            self._slot = False
+            self.svc.admission.release()
+
+
+async def until_disconnect(request: Request, coro):
+    """Run coro; if the client hangs up first, cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass
+    raise ClientGone()
+
+
+def usage(done: dict) -> dict:
+    u = done["usage"]
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+def member_param(err: APIError, base: str, is_array: bool) -> APIError:
+    """Re-attribute an engine refusal naming `members[i]` to the request's own field."""
+    member = getattr(err, "member", None)
+    if err.param and err.param.startswith("members"):
+        err.param = f"{base}[{member}]" if (is_array and member is not None) else base
+    elif err.param == "max_prompt_tokens":
+        err.param = base
+    return err

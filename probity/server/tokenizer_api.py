@@ -1,0 +1,52 @@
+"""vLLM-shaped tokenizer endpoints, so lm-eval's tokenizer_backend=auto needs no local tokenizer."""
+from __future__ import annotations
+
+from .errors import APIError
+from .validation import _bool, _check_keys, _token_ids, _type, parse_messages
+
+
+async def tokenize(svc, request, body: dict) -> dict:
+    info = svc.ready_info()
+    _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}, {})
+    if body.get("model") is not None and body["model"] != info["model"]["id"]:
+        raise APIError("model_not_found", f"model '{body['model']}' is not served here", "model")
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise APIError("missing_required_parameter", "give exactly one of 'prompt' or 'messages'", "prompt")
+    if has_prompt:
+        if type(body["prompt"]) is not str:
+            raise _type("prompt", "a string")
+        member = {"text": body["prompt"]}
+        add_special = _bool(body, "add_special_tokens", True)
+    else:
+        if body.get("add_generation_prompt", True) is not True:
+            raise APIError("unsupported_value", "only add_generation_prompt: true is supported", "add_generation_prompt")
+        member = {"messages": parse_messages(body["messages"])}
+        add_special = _bool(body, "add_special_tokens", False)
+        if add_special:
+            raise APIError("unsupported_value", "a rendered chat template already holds its special tokens",
+                           "add_special_tokens")
+    result = await svc.engine.run_op({"op": "tokenize", "members": [member], "add_special_tokens": add_special})
+    return {"tokens": result["ids"], "count": result["count"], "max_model_len": info["model"]["context_length"]}
+
+
+async def detokenize(svc, request, body: dict) -> dict:
+    info = svc.ready_info()
+    _check_keys(body, {"model", "tokens"}, {})
+    if body.get("model") is not None and body["model"] != info["model"]["id"]:
+        raise APIError("model_not_found", f"model '{body['model']}' is not served here", "model")
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise APIError("missing_required_parameter", "'tokens' is required", "tokens")
+    if type(tokens) is not list:
+        raise _type("tokens", "an array of token ids")
+    _token_ids(tokens, "tokens", info["model"]["vocab_size"])
+    result = await svc.engine.run_op({"op": "detokenize", "ids": tokens})
+    return {"prompt": result["text"]}
+
+
+def tokenizer_info(svc) -> dict:
+    m = svc.ready_info()["model"]
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model": m["id"], "vocab_size": m["vocab_size"],
+            "max_model_len": m["context_length"], "bos_token": m["bos_token"], "eos_token": m["eos_token"],
+            "eos_token_ids": m["eos_token_ids"], "chat_template": m["chat_template"]}

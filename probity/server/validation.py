@@ -1,0 +1,416 @@
+"""Request bodies -> one typed object each, or a named APIError. Everything downstream trusts
+the result. Every accepted field is listed in docs/api.md with its range."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import APIError
+
+MAX_STOP = 32
+MAX_N = 16
+
+
+@dataclass
+class Limits:
+    """Configurable bounds (CLI flags); documented in docs/api.md."""
+    max_logprobs: int = 32
+    max_members: int = 128
+    batch_prompt_tokens: int = 65536
+    batch_completion_tokens: int = 65536
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] = field(default_factory=dict)
+    seed: int | None = None
+
+    def wire(self) -> dict:
+        """SUBMIT fields. Defaults are omitted, so a request that spells out a default
+        produces the same bytes as one that leaves it out."""
+        out: dict[str, Any] = {"max_tokens": self.max_tokens}
+        for k, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("n", 1),
+                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            v = getattr(self, k)
+            if v != default:
+                out[k] = v
+        if self.stop:
+            out["stop"] = self.stop
+        if self.logit_bias:
+            out["logit_bias"] = self.logit_bias
+        if self.seed is not None:
+            out["seed"] = self.seed
+        return out
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    members: list[dict]            # each {"text": str} or {"ids": [int]}
+    is_array: bool
+    sampling: Sampling
+    logprobs: int | None           # None: no logprobs object
+    echo: bool
+    stream: bool
+    include_usage: bool
+    token_ids_labels: bool
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]           # {"role", "content": str}
+    sampling: Sampling
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+
+
+# ------------------------------------------------------------------ field helpers
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_num(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _type(param: str, what: str) -> APIError:
+    return APIError("invalid_type", f"'{param}' must be {what}", param)
+
+
+def _value(param: str, what: str) -> APIError:
+    return APIError("invalid_value", f"'{param}' must be {what}", param)
+
+
+def _check_keys(body: dict, allowed: set[str], refused: dict[str, str]) -> None:
+    for k in body:
+        if k in refused:
+            if body[k] is not None:
+                raise APIError("unsupported_parameter", f"'{k}' is not supported: {refused[k]}", k)
+        elif k not in allowed:
+            raise APIError("unknown_parameter", f"unknown parameter '{k}'", k)
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_num(v) or type(v) is bool:
+        raise _type(key, "a number")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise _value(key, f"in {'(' if lo_open else '['}{lo}, {hi}]")
+    return float(v)
+
+
+def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise _type(key, "an integer")
+    if not lo <= v <= hi:
+        raise _value(key, f"an integer in [{lo}, {hi}]")
+    return v
+
+
+def _bool(body: dict, key: str, default: bool, nullable: bool = True) -> bool:
+    v = body.get(key, default)
+    if v is None and nullable:
+        return default
+    if type(v) is not bool:
+        raise _type(key, "a boolean")
+    return v
+
+
+def _model(body: dict, served: str) -> str:
+    v = body.get("model")
+    if v is None:
+        raise APIError("missing_required_parameter", "'model' is required", "model")
+    if type(v) is not str:
+        raise _type("model", "a string")
+    if v != served:
+        raise APIError("model_not_found", f"model '{v}' is not served here; this server serves '{served}'", "model")
+    return v
+
+
+def _stop(body: dict, key: str = "stop") -> list[str]:
+    v = body.get(key)
+    if v is None:
+        return []
+    if type(v) is str:
+        v = [v]
+    if type(v) is not list:
+        raise _type(key, "a string or an array of strings")
+    if len(v) > MAX_STOP:
+        raise _value(key, f"at most {MAX_STOP} strings")
+    for i, s in enumerate(v):
+        if type(s) is not str:
+            raise _type(f"{key}[{i}]", "a string")
+        if not s:
+            raise _value(f"{key}[{i}]", "a non-empty string")
+    return list(v)
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[str, float]:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if type(v) is not dict:
+        raise _type("logit_bias", "an object mapping token ids to numbers")
+    if len(v) > 1024:
+        raise _value("logit_bias", "at most 1024 entries")
+    out = {}
+    for k, b in v.items():
+        p = f"logit_bias[{k!r}]"
+        if not (k.isascii() and k.isdigit()) or int(k) >= vocab_size:
+            raise APIError("token_out_of_vocabulary", f"logit_bias key {k!r} is not a token id below {vocab_size}", "logit_bias")
+        if not _is_num(b) or type(b) is bool:
+            raise _type(p, "a number")
+        if not -100 <= b <= 100:
+            raise _value(p, "in [-100, 100]")
+        out[str(int(k))] = float(b)
+    return out
+
+
+def _sampling(body: dict, vocab_size: int, max_tokens_key: str = "max_tokens") -> Sampling:
+    s = Sampling()
+    s.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _integer(body, "top_k", 0, -1, vocab_size)
+    s.top_k = 0 if top_k == -1 else top_k
+    s.n = _integer(body, "n", 1, 1, MAX_N)
+    s.stop = _stop(body)
+    s.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    s.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    s.logit_bias = _logit_bias(body, vocab_size)
+    s.seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
+    return s
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise APIError("invalid_value", "'stream_options' is only allowed with stream: true", "stream_options")
+    if type(opts) is not dict:
+        raise _type("stream_options", "an object")
+    for k in opts:
+        if k != "include_usage":
+            raise APIError("unknown_parameter", f"unknown parameter 'stream_options.{k}'", f"stream_options.{k}")
+    return stream, _bool(opts, "include_usage", False)
+
+
+# ------------------------------------------------------------------ completions
+
+COMPLETION_FIELDS = {
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "presence_penalty",
+    "frequency_penalty", "logit_bias", "seed", "logprobs", "echo", "stream", "stream_options",
+    "user", "return_tokens_as_token_ids", "group_score",
+}
+COMPLETION_REFUSED = {
+    "best_of": "generate n choices instead and rank them client-side",
+    "suffix": "insertion (fill-in-the-middle) is not supported",
+}
+
+
+def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -> CompletionRequest:
+    # Reserved for a future opt-in that changes the response shape: refuse before anything else.
+    if body.get("group_score", None) not in (None, False):
+        raise APIError("unsupported_value", "'group_score' is reserved; only null or false are accepted", "group_score")
+    _check_keys(body, COMPLETION_FIELDS, COMPLETION_REFUSED)
+    model = _model(body, served)
+    members, is_array = _prompt(body, vocab_size)
+    if len(members) > limits.max_members:
+        raise APIError("prompt_batch_cap_exceeded",
+                       f"a prompt array holds at most {limits.max_members} members, got {len(members)}", "prompt")
+    lp = body.get("logprobs")
+    if lp is None or lp is False:
+        logprobs = None
+    elif type(lp) is not int:
+        raise _type("logprobs", f"an integer in [0, {limits.max_logprobs}]")
+    elif not 0 <= lp <= limits.max_logprobs:
+        raise _value("logprobs", f"an integer in [0, {limits.max_logprobs}]")
+    else:
+        logprobs = lp or None
+    echo = body.get("echo", False)
+    if type(echo) is not bool:
+        raise _type("echo", "a boolean")
+    s = _sampling(body, vocab_size)
+    max_tokens = _integer(body, "max_tokens", 16, 0, 1 << 24)
+    if max_tokens == 0 and not echo:
+        raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
+    s.max_tokens = max_tokens
+    stream, include_usage = _stream(body)
+    if stream and len(members) > 1:
+        raise APIError("unsupported_value", "a prompt array is an all-or-nothing batch and cannot stream", "stream")
+    if len(members) > 1:
+        ids_total = sum(len(m["ids"]) for m in members if "ids" in m)
+        if ids_total > limits.batch_prompt_tokens:
+            raise APIError("prompt_batch_token_budget_exceeded",
+                           f"the batch holds {ids_total} prompt tokens; the budget is {limits.batch_prompt_tokens}", "prompt")
+        total = len(members) * s.n * s.max_tokens
+        if total > limits.batch_completion_tokens:
+            raise APIError("batch_completion_budget_exceeded",
+                           f"members x n x max_tokens = {total} exceeds the budget of {limits.batch_completion_tokens}",
+                           "max_tokens")
+    _bool(body, "return_tokens_as_token_ids", False)
+    user = body.get("user")
+    if user is not None and type(user) is not str:
+        raise _type("user", "a string")
+    return CompletionRequest(
+        model=model, members=members, is_array=is_array, sampling=s, logprobs=logprobs, echo=echo,
+        stream=stream, include_usage=include_usage,
+        token_ids_labels=_bool(body, "return_tokens_as_token_ids", False))
+
+
+def _token_ids(v: list, param: str, vocab_size: int) -> list[int]:
+    for j, t in enumerate(v):
+        if type(t) is not int:
+            raise _type(param, "an array of integer token ids")
+        if not 0 <= t < vocab_size:
+            raise APIError("token_out_of_vocabulary", f"token id {t} at {param}[{j}] is outside [0, {vocab_size})", param)
+    return list(v)
+
+
+def _prompt(body: dict, vocab_size: int) -> tuple[list[dict], bool]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError("missing_required_parameter", "'prompt' is required", "prompt")
+    p = body["prompt"]
+    if type(p) is str:
+        return [{"text": p}], False
+    if type(p) is not list:
+        raise _type("prompt", "a string, an array of strings, an array of token ids, or an array of token-id arrays")
+    if not p:
+        raise _value("prompt", "a non-empty array")
+    first = p[0]
+    if type(first) is int:  # one pre-tokenized prompt
+        return [{"ids": _token_ids(p, "prompt", vocab_size)}], False
+    if type(first) is str:
+        for i, x in enumerate(p):
+            if type(x) is not str:
+                raise _type(f"prompt[{i}]", "a string (a prompt array must not mix types)")
+        return [{"text": x} for x in p], True
+    if type(first) is list:
+        out = []
+        for i, x in enumerate(p):
+            if type(x) is not list:
+                raise _type(f"prompt[{i}]", "an array of token ids (a prompt array must not mix types)")
+            if not x:
+                raise _value(f"prompt[{i}]", "a non-empty array of token ids")
+            out.append({"ids": _token_ids(x, f"prompt[{i}]", vocab_size)})
+        return out, True
+    raise _type("prompt[0]", "a string, a token id or an array of token ids")
+
+
+# ------------------------------------------------------------------ chat
+
+CHAT_FIELDS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+    "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs", "top_logprobs",
+    "stream", "stream_options", "user", "response_format",
+}
+CHAT_REFUSED = {
+    "echo": "echo is a /v1/completions feature",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model has no reasoning controls",
+    "web_search_options": "web search is not supported",
+    "best_of": "not a chat completions parameter",
+    "suffix": "not a chat completions parameter",
+}
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> ChatRequest:
+    _check_keys(body, CHAT_FIELDS, CHAT_REFUSED)
+    model = _model(body, served)
+    messages = parse_messages(body.get("messages"))
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError("unsupported_value", "only response_format {\"type\": \"text\"} is supported", "response_format")
+    logprobs = _bool(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None and not _is_int(top):
+        raise _type("top_logprobs", f"an integer in [0, {limits.max_logprobs}]")
+    if top is not None and not 0 <= top <= limits.max_logprobs:
+        raise _value("top_logprobs", f"an integer in [0, {limits.max_logprobs}]")
+    if top and not logprobs:
+        raise APIError("invalid_value", "'top_logprobs' requires logprobs: true", "top_logprobs")
+    s = _sampling(body, vocab_size)
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise APIError("invalid_value", "give max_tokens or max_completion_tokens, not both", "max_tokens")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    s.max_tokens = _integer(body, key, 16, 1, 1 << 24)
+    stream, include_usage = _stream(body)
+    user = body.get("user")
+    if user is not None and type(user) is not str:
+        raise _type("user", "a string")
+    return ChatRequest(model=model, messages=messages, sampling=s, logprobs=logprobs,
+                       top_logprobs=top or 0, stream=stream, include_usage=include_usage)
+
+
+def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "messages") -> list[dict]:
+    if v is None:
+        raise APIError("missing_required_parameter", f"'{param}' is required", param)
+    if type(v) is not list:
+        raise _type(param, "an array of messages")
+    if not v:
+        raise _value(param, "a non-empty array")
+    out = []
+    for i, m in enumerate(v):
+        where = f"{param}[{i}]"
+        if type(m) is not dict:
+            raise _type(where, "an object")
+        for k in m:
+            if k not in ("role", "content"):
+                raise APIError("unsupported_parameter", f"'{where}.{k}' is not supported", f"{where}.{k}")
+        role = m.get("role")
+        if role not in roles:
+            code = "invalid_type" if type(role) is not str else "unsupported_value"
+            raise APIError(code, f"'{where}.role' must be one of {', '.join(roles)}", f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": text_content(m.get("content"), f"{where}.content", "text")})
+    return out
+
+
+def text_content(c: Any, where: str, part_type: str) -> str:
+    """A string, or an array of text parts {type: "text", text}; parts are joined."""
+    if type(c) is str:
+        return c
+    if type(c) is not list:
+        raise _type(where, "a string or an array of text parts")
+    texts = []
+    for j, part in enumerate(c):
+        pw = f"{where}[{j}]"
+        if type(part) is not dict:
+            raise _type(pw, "an object")
+        if part.get("type") != part_type:
+            raise APIError("unsupported_value", f"'{pw}.type' {part.get('type')!r} is not supported; only text parts are",
+                           f"{pw}.type")
+        for k in part:
+            if k not in ("type", "text"):
+                raise APIError("unsupported_parameter", f"'{pw}.{k}' is not supported", f"{pw}.{k}")
+        if type(part.get("text")) is not str:
+            raise _type(f"{pw}.text", "a string")
+        texts.append(part["text"])
+    return "".join(texts)
