@@ -14,7 +14,6 @@ CODES: dict[str, tuple[int, str, str]] = {
     "unsupported_parameter": (400, "invalid_request_error", "invalid_request_error"),
     "unsupported_value": (400, "invalid_request_error", "invalid_request_error"),
     "token_out_of_vocabulary": (400, "invalid_request_error", "invalid_request_error"),
-    "empty_prompt": (400, "invalid_request_error", "invalid_request_error"),
     "context_length_exceeded": (400, "invalid_request_error", "invalid_request_error"),
     "prompt_batch_cap_exceeded": (400, "invalid_request_error", "invalid_request_error"),
     "prompt_batch_token_budget_exceeded": (400, "invalid_request_error", "invalid_request_error"),
