@@ -1,0 +1,155 @@
+"""/v1/chat/completions and the tokenizer endpoints on the tiny model."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_ID
+from test_completions import sse_events
+
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+
+
+def chat(server, **body):
+    body.setdefault("model", TINY_ID)
+    body.setdefault("messages", MSGS)
+    return server.post("/v1/chat/completions", json=body)
+
+
+def chat_err(server, **body) -> dict:
+    r = chat(server, **body)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_openai_sdk_chat_plain_and_stream(tiny_client):
+    r = tiny_client.chat.completions.create(model=TINY_ID, messages=MSGS, max_tokens=6, temperature=0)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and r.object == "chat.completion" and r.usage.completion_tokens >= 1
+    stream = tiny_client.chat.completions.create(model=TINY_ID, messages=MSGS, max_tokens=6, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == msg.content
+
+
+def test_chat_renders_the_models_own_template(tiny_server, tiny_hf):
+    _, tok = tiny_hf
+    ids = tok.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=False)
+    expected = len(tok(ids, add_special_tokens=False)["input_ids"])
+    body = chat(tiny_server, max_tokens=1).json()
+    assert body["usage"]["prompt_tokens"] == expected
+    r = tiny_server.post("/tokenize", json={"model": TINY_ID, "messages": MSGS}).json()
+    assert r["count"] == expected
+
+
+def test_chat_logprobs_entries_carry_exact_bytes(tiny_server):
+    body = chat(tiny_server, max_tokens=12, temperature=1.0, seed=5, logprobs=True, top_logprobs=3).json()
+    ch = body["choices"][0]
+    content = ch["logprobs"]["content"]
+    assert ch["logprobs"]["refusal"] is None
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", errors="replace") == ch["message"]["content"]
+    for e in content:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"}
+        values = [t["logprob"] for t in e["top_logprobs"]]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        for t in e["top_logprobs"]:
+            if bytes(t["bytes"]) == bytes(e["bytes"]):
+                assert t["logprob"] == e["logprob"]
+
+
+def test_chat_logprobs_without_top(tiny_server):
+    content = chat(tiny_server, max_tokens=3, temperature=0, logprobs=True).json()["choices"][0]["logprobs"]["content"]
+    assert all(e["top_logprobs"] == [] for e in content)
+    assert chat(tiny_server, max_tokens=3).json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": "true"}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+    ({"top_logprobs": 33, "logprobs": False}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 1.0, "logprobs": True}, "top_logprobs"),
+    ({"echo": True}, "echo"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"max_tokens": 4, "max_completion_tokens": 4}, "max_tokens"),
+    ({"frobnicate": 1}, "frobnicate"),
+])
+def test_chat_refusals_are_named(tiny_server, body, param):
+    assert chat_err(tiny_server, **body)["param"] == param
+
+
+def test_chat_text_parts_equal_string_content(tiny_server):
+    a = chat(tiny_server, max_tokens=5, temperature=0).json()["choices"][0]["message"]["content"]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Say hello"}]}]
+    b = chat(tiny_server, messages=parts, max_tokens=5, temperature=0).json()["choices"][0]["message"]["content"]
+    assert a == b
+
+
+def test_chat_streamed_logprobs_equal_non_streamed(tiny_server):
+    body = dict(max_tokens=10, temperature=0.7, seed=9, logprobs=True, top_logprobs=2)
+    full = chat(tiny_server, **body).json()["choices"][0]
+    events = sse_events(chat(tiny_server, stream=True, **body).text)
+    assert events[-1] == "[DONE]"
+    content, text = [], ""
+    for e in events[:-1]:
+        c = e["choices"][0]
+        text += c["delta"].get("content") or ""
+        if c["logprobs"]:
+            content += c["logprobs"]["content"]
+    assert text == full["message"]["content"] and content == full["logprobs"]["content"]
+
+
+def test_chat_context_exceeded_is_named(tiny_server):
+    r = chat(tiny_server, messages=[{"role": "user", "content": "Hello " * 300}], max_tokens=4)
+    e = r.json()["error"]
+    assert r.status_code == 400 and (e["code"], e["param"]) == ("context_length_exceeded", "messages")
+
+
+def test_chat_streaming_refusal_is_a_real_400_before_any_sse(tiny_server):
+    r = chat(tiny_server, messages=[{"role": "user", "content": "Hello " * 300}], max_tokens=4, stream=True)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert "data:" not in r.text
+
+
+def test_tokenize_detokenize_round_trip(tiny_server, tiny_hf):
+    _, tok = tiny_hf
+    text = "Hello 日本語 😀"
+    r = tiny_server.post("/tokenize", json={"model": TINY_ID, "prompt": text}).json()
+    assert r["tokens"] == tok(text)["input_ids"] and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert tiny_server.post("/detokenize", json={"model": TINY_ID, "tokens": r["tokens"]}).json()["prompt"] == text
+    e = tiny_server.post("/detokenize", json={"tokens": [10**7]}).json()["error"]
+    assert e["code"] == "token_out_of_vocabulary"
+
+
+def test_tokenizer_info_and_models(tiny_server):
+    info = tiny_server.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["bos_token"] == "<|im_start|>" and "im_start" in info["chat_template"]
+    models = tiny_server.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [TINY_ID]
+    assert tiny_server.get(f"/v1/models/{TINY_ID}").json()["id"] == TINY_ID
+    assert tiny_server.get("/v1/models/other").status_code == 404
+
+
+def test_health_reports_engine_truth(tiny_server):
+    h = tiny_server.get("/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["engine"]["state"] == "ready"
+    assert h.json()["capacity"] >= 1
+
+
+def test_bad_bodies_are_named(tiny_server):
+    r = tiny_server.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = tiny_server.post("/v1/completions", content=b"[1]", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
+    r = tiny_server.post("/v1/completions", content=b'{"a": "\xff"}')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = tiny_server.post("/v1/completions", content=b'{"prompt": NaN}')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = tiny_server.post("/v1/completions", content=b"x" * (4 * 1024 * 1024 + 1))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
