@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="members x n x max_tokens budget of one prompt array")
     s.add_argument("--max-running", type=int, default=16, help="sequences the engine runs at once")
     s.add_argument("--threads", type=int, default=None, help="torch threads in the engine (default: torch's)")
+    s.add_argument("--engine-command", default=None,
+                   help="run this command as the engine instead of probity's own (for protocol tests); "
+                        "split on spaces")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap
 
@@ -57,10 +60,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"probity: refusing to bind {args.host} without --api-key "
                  "(pass --allow-unauthenticated-remote to override)")
     from .engine.loader import ModelNotFound, resolve
-    try:
-        resolve(args.model)
-    except ModelNotFound as e:
-        sys.exit(f"probity: {e}")
+    if not args.engine_command:
+        try:
+            resolve(args.model)
+        except ModelNotFound as e:
+            sys.exit(f"probity: {e}")
     if args.max_logprobs > 32 or args.max_logprobs < 0:
         sys.exit("probity: --max-logprobs must be in [0, 32] (the engine's own limit)")
 
@@ -78,6 +82,6 @@ def main(argv: list[str] | None = None) -> None:
         queue_timeout=args.queue_timeout, accept_timeout=accept_timeout, max_body=args.max_body,
         limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
                       args.batch_completion_tokens),
-        engine_args=engine_args)
+        engine_args=engine_args, engine_command=args.engine_command.split() if args.engine_command else None)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=10)

@@ -1,0 +1,115 @@
+"""The frame reader and schemas: hostile bytes give ProtocolViolation, never a hang or another error."""
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from probity import protocol as P
+
+TOKEN = P.encode("TOKEN", 7, {"member": 0, "choice": 0, "tokens": [
+    {"id": 5, "bytes": "e282", "logprob": -1.25, "top": [[5, "e282", -1.25], [9, "41", -2.5]]}]})
+ACCEPT = P.encode("ACCEPT", 7, {"members": [{"prompt_tokens": 3, "cached_tokens": 0}]})
+
+
+def read_all_sync(data: bytes, sender: str = "engine") -> list[P.Frame]:
+    r = P.SyncReader(io.BufferedReader(io.BytesIO(data)), sender)
+    out = []
+    while (f := r.read()) is not None:
+        out.append(f)
+    return out
+
+
+def read_all_async(data: bytes, sender: str = "engine") -> list[P.Frame]:
+    async def go():
+        s = asyncio.StreamReader(limit=1 << 16)
+        s.feed_data(data)
+        s.feed_eof()
+        r = P.AsyncReader(s, sender)
+        out = []
+        while (f := await r.read()) is not None:
+            out.append(f)
+        return out
+    return asyncio.run(asyncio.wait_for(go(), 5))
+
+
+@pytest.mark.parametrize("read", [read_all_sync, read_all_async])
+def test_valid_frames_round_trip(read):
+    frames = read(ACCEPT + TOKEN)
+    assert [f.kind for f in frames] == ["ACCEPT", "TOKEN"] and frames[1].payload["tokens"][0]["logprob"] == -1.25
+
+
+def test_floats_round_trip_exactly():
+    v = -0.1234567890123456789
+    f = read_all_sync(P.encode("TOKEN", 1, {"member": 0, "choice": 0, "tokens": [{"id": 1, "bytes": "", "logprob": v}]}))
+    assert f[0].payload["tokens"][0]["logprob"] == v
+
+
+def test_non_finite_floats_cannot_be_encoded():
+    with pytest.raises(ValueError):
+        P.encode("TOKEN", 1, {"member": 0, "choice": 0, "tokens": [{"id": 1, "bytes": "", "logprob": float("-inf")}]})
+
+
+HOSTILE = {
+    "header_too_long": b"TOKEN 7 " + b"1" * 80 + b"\n",
+    "bad_header": b"token 7 2\n{}\n",
+    "unknown_kind": b"BOGUS 7 2\n{}\n",
+    "server_kind_from_engine": b"SUBMIT 7 2\n{}\n",
+    "leading_zero_id": b"DONE 07 2\n{}\n",
+    "oversize_length": b"ACCEPT 7 999999999\n",
+    "short_payload": b"DONE 7 10\n{}\n",
+    "missing_terminator": b"DONE 7 2\n{}X",
+    "bad_json": b"DONE 7 2\n{]\n",
+    "not_an_object": b"DONE 7 2\n[]\n",
+    "unknown_key": b'DONE 7 9\n{"x": 1}\n',
+    "wrong_type": b'ACCEPT 7 15\n{"members": 1}\n',
+    "nan": b'TOKEN 7 79\n{"member":0,"choice":0,"tokens":[{"id":1,"bytes":"","logprob":NaN,"top":null}]}\n',
+    "uppercase_hex": b'TOKEN 7 63\n{"member":0,"choice":0,"tokens":[{"id":1,"bytes":"AB","logprob":1}]}\n',
+    "eof_in_header": b"DONE 7",
+    "no_lf_within_bound": b"D" * 70000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+@pytest.mark.parametrize("read", [read_all_sync, read_all_async])
+def test_hostile_bytes_are_protocol_violations(read, name):
+    with pytest.raises(P.ProtocolViolation):
+        read(HOSTILE[name])
+
+
+def test_reserved_group_kinds_are_bounded_and_terminated():
+    assert read_all_sync(b'GRPP 7 2\n{}\n')[0].kind == "GRPP"
+    with pytest.raises(P.ProtocolViolation):
+        read_all_sync(b"GRPE 7 2\n{}X")
+    with pytest.raises(P.ProtocolViolation):
+        read_all_sync(b"GRPS 7 %d\n" % (P.KINDS["GRPS"].max_payload + 1))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=400))
+def test_fuzz_random_bytes_only_ever_raise_protocol_violation(data):
+    for read in (read_all_sync, read_all_async):
+        try:
+            read(data)
+        except P.ProtocolViolation:
+            pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(ACCEPT + TOKEN) - 1), st.integers(0, 255), st.booleans())
+def test_fuzz_mutated_valid_frames(pos, byte, delete):
+    data = bytearray(ACCEPT + TOKEN)
+    if delete:
+        del data[pos]
+    else:
+        data[pos] = byte
+    try:
+        frames = read_all_sync(bytes(data))
+    except P.ProtocolViolation:
+        return
+    # whatever survives a mutation is still schema-valid and addressed to a request id that parsed
+    for f in frames:
+        P.KINDS[f.kind].schema(f.payload, f.kind)
