@@ -112,6 +112,9 @@ def create_app(config: Config) -> FastAPI:
             return e.response(anthropic)
         except ClientGone:
             return Response(status_code=499)
+        except Exception as e:  # a bug: still a named error in the right envelope, never a bare 500
+            log.exception("unhandled error on %s", request.url.path)
+            return APIError("internal_error", f"internal error: {type(e).__name__}").response(anthropic)
 
     from . import openai_api
 
@@ -122,6 +125,16 @@ def create_app(config: Config) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await handle(request, openai_api.chat_completions)
+
+    from . import anthropic_api
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await handle(request, anthropic_api.messages, anthropic=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await handle(request, anthropic_api.count_tokens, anthropic=True)
 
     from . import tokenizer_api
 

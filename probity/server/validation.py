@@ -369,7 +369,8 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> Chat
                        top_logprobs=top or 0, stream=stream, include_usage=include_usage)
 
 
-def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "messages") -> list[dict]:
+def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "messages",
+                   part_keys: tuple[str, ...] = ()) -> list[dict]:
     if v is None:
         raise APIError("missing_required_parameter", f"'{param}' is required", param)
     if type(v) is not list:
@@ -389,12 +390,13 @@ def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "message
             code = "invalid_type" if type(role) is not str else "unsupported_value"
             raise APIError(code, f"'{where}.role' must be one of {', '.join(roles)}", f"{where}.role")
         out.append({"role": "system" if role == "developer" else role,
-                    "content": text_content(m.get("content"), f"{where}.content", "text")})
+                    "content": text_content(m.get("content"), f"{where}.content", part_keys)})
     return out
 
 
-def text_content(c: Any, where: str, part_type: str) -> str:
-    """A string, or an array of text parts {type: "text", text}; parts are joined."""
+def text_content(c: Any, where: str, part_keys: tuple[str, ...] = ()) -> str:
+    """A string, or an array of text parts {type: "text", text}; parts are joined.
+    `part_keys` are further keys accepted in a part as documented no-ops."""
     if type(c) is str:
         return c
     if type(c) is not list:
@@ -404,11 +406,11 @@ def text_content(c: Any, where: str, part_type: str) -> str:
         pw = f"{where}[{j}]"
         if type(part) is not dict:
             raise _type(pw, "an object")
-        if part.get("type") != part_type:
+        if part.get("type") != "text":
             raise APIError("unsupported_value", f"'{pw}.type' {part.get('type')!r} is not supported; only text parts are",
                            f"{pw}.type")
         for k in part:
-            if k not in ("type", "text"):
+            if k not in ("type", "text", *part_keys):
                 raise APIError("unsupported_parameter", f"'{pw}.{k}' is not supported", f"{pw}.{k}")
         if type(part.get("text")) is not str:
             raise _type(f"{pw}.text", "a string")

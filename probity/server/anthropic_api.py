@@ -1,0 +1,194 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages API)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse, StreamingResponse
+
+from .assembly import TextBuilder
+from .errors import APIError
+from .generation import Generation, member_param, until_disconnect
+from .validation import (Sampling, _check_keys, _integer, _model, _number, _stop, _type, parse_messages,
+                         text_content)
+
+log = logging.getLogger("probity.server")
+
+PING_EVERY = 10.0  # seconds without an event before a ping keeps the stream alive
+MESSAGE_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
+                  "stream", "metadata"}
+MESSAGE_REFUSED = {
+    "tools": "tool use is not supported",
+    "tool_choice": "tool use is not supported",
+    "thinking": "extended thinking is not supported",
+    "mcp_servers": "MCP servers are not supported",
+    "container": "containers are not supported",
+    "service_tier": "service tiers are not supported",
+}
+STOP_REASON = {"length": "max_tokens"}
+
+
+@dataclass
+class MessagesRequest:
+    model: str
+    messages: list[dict]
+    sampling: Sampling
+    stream: bool
+
+
+def _messages_and_system(body: dict) -> list[dict]:
+    messages = parse_messages(body.get("messages"), roles=("user", "assistant"), part_keys=("cache_control",))
+    system = body.get("system")
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": text_content(system, "system", ("cache_control",))})
+    return messages
+
+
+def parse_messages_request(body: dict, served: str, vocab_size: int) -> MessagesRequest:
+    _check_keys(body, MESSAGE_FIELDS, MESSAGE_REFUSED)
+    model = _model(body, served)
+    if body.get("max_tokens") is None:
+        raise APIError("missing_required_parameter", "'max_tokens' is required", "max_tokens")
+    s = Sampling()
+    s.max_tokens = _integer(body, "max_tokens", None, 1, 1 << 24)
+    messages = _messages_and_system(body)
+    s.stop = _stop(body, "stop_sequences")
+    s.temperature = _number(body, "temperature", 1.0, 0.0, 1.0)
+    s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    s.top_k = _integer(body, "top_k", 0, 0, vocab_size)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if type(stream) is not bool:
+        raise _type("stream", "a boolean")
+    meta = body.get("metadata")
+    if meta is not None:
+        if type(meta) is not dict:
+            raise _type("metadata", "an object")
+        for k, v in meta.items():
+            if k != "user_id":
+                raise APIError("unknown_parameter", f"unknown parameter 'metadata.{k}'", f"metadata.{k}")
+            if v is not None and type(v) is not str:
+                raise _type("metadata.user_id", "a string")
+    return MessagesRequest(model, messages, s, stream)
+
+
+def _usage(done: dict) -> dict:
+    u = done["usage"]
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+            "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0}
+
+
+def _stop_reason(c: dict) -> tuple[str, str | None]:
+    if c["finish_reason"] == "length":
+        return "max_tokens", None
+    if c["stop"] is not None:
+        return "stop_sequence", c["stop"]
+    return "end_turn", None
+
+
+async def messages(svc, request, body: dict):
+    info = svc.ready_info()
+    m = info["model"]
+    req = parse_messages_request(body, m["id"], m["vocab_size"])
+    if not info["capabilities"]["chat_template"]:
+        raise APIError("engine_capability_missing", "the running engine has no chat template", "messages")
+    payload = {"op": "generate", "members": [{"messages": req.messages}], **req.sampling.wire()}
+    gen = Generation(svc, payload, 1, 1, False)
+    try:
+        await gen.start()
+    except APIError as e:
+        raise member_param(e, "messages", False)
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    headers = {"x-queue-wait-ms": f"{gen.queue_s * 1000:.1f}"}
+    if req.stream:
+        return StreamingResponse(stream_message(gen, msg_id, m["id"]), media_type="text/event-stream", headers=headers)
+    try:
+        out = await until_disconnect(request, gen.collect())
+    finally:
+        gen.close()
+    b = TextBuilder()
+    for e in out.tokens.get((0, 0), []):
+        b.feed(e)
+    b.finish()
+    reason, seq = _stop_reason(out.done["choices"][0])
+    return JSONResponse({
+        "id": msg_id, "type": "message", "role": "assistant", "model": m["id"],
+        "content": [{"type": "text", "text": "".join(p.text for p in b.pieces)}],
+        "stop_reason": reason, "stop_sequence": seq, "usage": _usage(out.done)}, headers=headers)
+
+
+def event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def stream_message(gen: Generation, msg_id: str, model: str):
+    prompt_tokens = gen.accept["members"][0]["prompt_tokens"]
+    cached = gen.accept["members"][0]["cached_tokens"]
+    text = TextBuilder()
+    nxt = None
+    try:
+        yield event("message_start", {"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": cached,
+                      "cache_creation_input_tokens": 0}}})
+        yield event("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "text", "text": ""}})
+        yield event("ping", {"type": "ping"})
+        frames = gen.frames().__aiter__()
+        while True:
+            nxt = asyncio.ensure_future(frames.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=PING_EVERY)
+                if done:
+                    break
+                yield event("ping", {"type": "ping"})
+            try:
+                f = nxt.result()
+            except StopAsyncIteration:
+                break
+            if f.kind == "TOKEN":
+                piece = "".join(text.feed(e).text for e in f.payload["tokens"])
+                if piece:
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                        "delta": {"type": "text_delta", "text": piece}})
+            elif f.kind == "DONE":
+                gen.account(f.payload)
+                tail = text.finish()
+                if tail:
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                        "delta": {"type": "text_delta", "text": tail}})
+                reason, seq = _stop_reason(f.payload["choices"][0])
+                yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                yield event("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                              "usage": {"output_tokens": f.payload["usage"]["completion_tokens"]}})
+                yield event("message_stop", {"type": "message_stop"})
+                return
+    except APIError as e:
+        log.error("stream %s ended after commit: %s %s", msg_id, e.code, e.message)
+        yield event("error", {"type": "error", "error": e.anthropic_body()["error"]})
+    finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+        gen.close()
+
+
+async def count_tokens(svc, request, body: dict):
+    info = svc.ready_info()
+    _check_keys(body, {"model", "messages", "system"}, {
+        "tools": "tool use is not supported", "tool_choice": "tool use is not supported",
+        "thinking": "extended thinking is not supported"})
+    _model(body, info["model"]["id"])
+    if not info["capabilities"]["chat_template"]:
+        raise APIError("engine_capability_missing", "the running engine has no chat template", "messages")
+    try:
+        result = await svc.engine.run_op({"op": "tokenize", "members": [{"messages": _messages_and_system(body)}],
+                                          "add_special_tokens": False})
+    except APIError as e:
+        raise member_param(e, "messages", False)
+    return {"input_tokens": result["count"]}
