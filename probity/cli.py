@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="members x n x max_tokens budget of one prompt array")
     s.add_argument("--max-running", type=int, default=16, help="sequences the engine runs at once")
     s.add_argument("--threads", type=int, default=None, help="torch threads in the engine (default: torch's)")
+    s.add_argument("--max-restarts", type=int, default=5,
+                   help="engine crashes in a row (without a READY between) before the server stops restarting it")
     s.add_argument("--engine-command", default=None,
                    help="run this command as the engine instead of probity's own (for protocol tests); "
                         "split on spaces")
@@ -73,13 +75,18 @@ def main(argv: list[str] | None = None) -> None:
     from .server.app import Config, create_app
     from .server.validation import Limits
 
-    accept_timeout = float(os.environ.get("PROBITY_ACCEPT_TIMEOUT", "30"))
+    try:
+        accept_timeout = float(os.environ.get("PROBITY_ACCEPT_TIMEOUT", "30"))
+        frame_timeout = float(os.environ.get("PROBITY_FRAME_TIMEOUT", "10"))
+    except ValueError:
+        sys.exit("probity: PROBITY_ACCEPT_TIMEOUT and PROBITY_FRAME_TIMEOUT must be numbers of seconds")
     engine_args = ["--max-running", str(args.max_running)]
     if args.threads:
         engine_args += ["--threads", str(args.threads)]
     config = Config(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-        queue_timeout=args.queue_timeout, accept_timeout=accept_timeout, max_body=args.max_body,
+        queue_timeout=args.queue_timeout, accept_timeout=accept_timeout, frame_timeout=frame_timeout,
+        max_restarts=args.max_restarts, max_body=args.max_body,
         limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
                       args.batch_completion_tokens),
         engine_args=engine_args, engine_command=args.engine_command.split() if args.engine_command else None)

@@ -322,11 +322,15 @@ class SyncReader:
 
 
 class AsyncReader:
-    """Frame reader over an asyncio.StreamReader (the server's view of engine stdout)."""
+    """Frame reader over an asyncio.StreamReader (the server's view of engine stdout).
 
-    def __init__(self, stream, expect_sender: str):
+    Once a header has arrived, the rest of the frame must follow within `frame_timeout`
+    seconds: a peer that stalls inside a frame is a violation, not a reason to hang."""
+
+    def __init__(self, stream, expect_sender: str, frame_timeout: float = 10.0):
         self._s = stream
         self._sender = expect_sender
+        self._frame_timeout = frame_timeout
 
     async def read(self) -> Frame | None:
         import asyncio
@@ -341,7 +345,9 @@ class AsyncReader:
             raise ProtocolViolation("header not terminated within bound") from None
         kind, rid, length = parse_header(line[:-1], self._sender)
         try:
-            data = await self._s.readexactly(length + 1)
+            data = await asyncio.wait_for(self._s.readexactly(length + 1), self._frame_timeout)
         except asyncio.IncompleteReadError:
             raise ProtocolViolation("EOF inside a frame") from None
+        except asyncio.TimeoutError:
+            raise ProtocolViolation(f"{kind.name} frame not completed within {self._frame_timeout:g}s") from None
         return parse_payload(kind, rid, data)

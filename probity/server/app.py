@@ -32,6 +32,8 @@ class Config:
     max_queue: int = 128
     queue_timeout: float = 120.0
     accept_timeout: float = 30.0
+    frame_timeout: float = 10.0
+    max_restarts: int = 5
     max_body: int = 4 * 1024 * 1024
     limits: Limits = field(default_factory=Limits)
     engine_args: list[str] = field(default_factory=list)
@@ -44,6 +46,7 @@ class Service:
         self.limits = config.limits
         self.metrics = Metrics()
         self.engine = EngineClient(config.model, accept_timeout=config.accept_timeout,
+                                   frame_timeout=config.frame_timeout, max_restarts=config.max_restarts,
                                    engine_args=config.engine_args, command=config.engine_command,
                                    on_ready=self._engine_ready)
         self.admission = Admission(capacity=1, max_queue=config.max_queue, timeout=config.queue_timeout)

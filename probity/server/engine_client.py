@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .. import protocol as P
@@ -30,6 +31,9 @@ ENGINE_CODE_MAP = {
     "INTERNAL": "engine_error",
     "CANCELLED": "engine_error",
 }
+
+
+MAX_ABANDONED = 4096
 
 
 def _pdeathsig() -> None:
@@ -117,17 +121,22 @@ def engine_error_to_api(p: dict) -> APIError:
 
 
 class EngineClient:
-    def __init__(self, model: str, accept_timeout: float = 30.0, max_restarts: int = 5,
+    def __init__(self, model: str, accept_timeout: float = 30.0, max_restarts: int = 5, frame_timeout: float = 10.0,
                  engine_args: list[str] | None = None, command: list[str] | None = None, on_ready=None):
         self.model = model
         self.on_ready = on_ready
         self.accept_timeout = accept_timeout
+        self.frame_timeout = frame_timeout
         self.max_restarts = max_restarts
         self.command = command or [sys.executable, "-m", "probity.engine", "--model", model, *(engine_args or [])]
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.ready_info: dict | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.channels: dict[int, Channel] = {}
+        # Requests given up on (cancelled, timed out) whose terminal frame has not come yet:
+        # their late frames are still checked, then dropped. Bounded; an id evicted from here
+        # that then speaks is a violation like any unknown id.
+        self.abandoned: OrderedDict[int, Channel] = OrderedDict()
         self.next_id = 1
         self.restarts = 0
         self.crashes_in_row = 0
@@ -195,6 +204,7 @@ class EngineClient:
             self._restart_task = asyncio.create_task(self._restart())
 
     def _fail_all(self, err: APIError) -> None:
+        self.abandoned.clear()
         channels, self.channels = self.channels, {}
         for ch in channels.values():
             ch.terminal = True
@@ -218,7 +228,7 @@ class EngineClient:
 
     # ------------------------------------------------------------ reading
     async def _read_loop(self, proc) -> None:
-        reader = P.AsyncReader(proc.stdout, "engine")
+        reader = P.AsyncReader(proc.stdout, "engine", self.frame_timeout)
         try:
             while True:
                 frame = await reader.read()
@@ -258,14 +268,17 @@ class EngineClient:
             return
         if f.kind == "READY" or f.kind == "STATS":
             raise P.ProtocolViolation(f"{f.kind} with a request id")
-        ch = self.channels.get(f.id)
+        ch = self.channels.get(f.id) or self.abandoned.get(f.id)
         if ch is None:
             raise P.ProtocolViolation(f"{f.kind} for request {f.id}, which is not in flight")
         ch.check(f)
+        if ch.abandoned:
+            if ch.terminal:
+                del self.abandoned[f.id]
+            return
         if ch.terminal:
             del self.channels[f.id]
-        if not ch.abandoned:
-            ch.queue.put_nowait(f)
+        ch.queue.put_nowait(f)
 
     # ------------------------------------------------------------ writing
     async def _write(self, data: bytes) -> None:
@@ -305,6 +318,10 @@ class EngineClient:
             return
         ch.abandoned = True
         if self.channels.get(ch.id) is ch:
+            del self.channels[ch.id]
+            self.abandoned[ch.id] = ch
+            while len(self.abandoned) > MAX_ABANDONED:
+                self.abandoned.popitem(last=False)
             asyncio.get_running_loop().create_task(self._cancel_write(ch.id))
 
     async def _cancel_write(self, rid: int) -> None:
@@ -325,4 +342,4 @@ class EngineClient:
 
     def health(self) -> dict:
         return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,
-                "in_flight": len(self.channels), "pid": self.proc.pid if self.proc else None}
+                "in_flight": len(self.channels), "abandoned": len(self.abandoned), "pid": self.proc.pid if self.proc else None}

@@ -9,6 +9,7 @@ generate with one token "A".
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from probity import protocol as P  # noqa: E402
@@ -45,8 +46,72 @@ def one_token(rid, members=1):
                        "usage": {"prompt_tokens": members, "completion_tokens": members, "cached_tokens": 0}})
 
 
+def hostile(rid: int, name: str) -> None:
+    """Misbehave as `name` says, in answer to request `rid`."""
+    accept = P.encode("ACCEPT", rid, {"members": [{"prompt_tokens": 1, "cached_tokens": 0}]})
+    token = P.encode("TOKEN", rid, {"member": 0, "choice": 0, "tokens": [{"id": 65, "bytes": "41", "logprob": -0.5}]})
+    done = P.encode("DONE", rid, {"choices": [{"member": 0, "choice": 0, "finish_reason": "length", "stop": None,
+                                               "completion_tokens": 2}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 2, "cached_tokens": 0}})
+    if name == "ok":
+        raw(accept + token + token + done)
+    elif name == "bad_header":
+        raw(accept + b"what is this\n")
+    elif name == "oversize_length":
+        raw(accept + b"TOKEN %d 999999999\n" % rid)
+    elif name == "short_payload_then_exit":
+        raw(accept + b"TOKEN %d 100\n{\"member\":0" % rid)
+        os._exit(0)
+    elif name == "short_payload_then_stall":
+        raw(accept + b"TOKEN %d 100\n{\"member\":0" % rid)
+    elif name == "missing_terminator":
+        raw(accept + token[:-1] + b"X")
+    elif name == "bad_json":
+        raw(accept + b"TOKEN %d 5\n{oops\n" % rid)
+    elif name == "unknown_kind":
+        raw(accept + b"FROB %d 2\n{}\n" % rid)
+    elif name == "foreign_id":
+        raw(accept + P.encode("TOKEN", rid + 1000, {"member": 0, "choice": 0, "tokens": [
+            {"id": 65, "bytes": "41", "logprob": -0.5}]}))
+    elif name == "second_accept":
+        raw(accept + token + accept)
+    elif name == "token_before_accept":
+        raw(token + accept)
+    elif name == "member_out_of_range":
+        raw(accept + P.encode("TOKEN", rid, {"member": 3, "choice": 0, "tokens": [
+            {"id": 65, "bytes": "41", "logprob": -0.5}]}))
+    elif name == "echo_out_of_order":
+        pos = {"id": 65, "bytes": "41", "logprob": None, "top": None}
+        raw(accept + P.encode("ECHO", rid, {"member": 0, "start": 5, "positions": [pos]}))
+    elif name == "frame_after_done":
+        raw(accept + token + done + token)
+    elif name == "silence":
+        pass
+    elif name == "die_before_accept":
+        os._exit(1)
+    elif name == "die_after_accept":
+        raw(accept)
+        os._exit(1)
+    elif name == "die_mid_stream":
+        raw(accept + token)
+        time.sleep(0.3)
+        os._exit(1)
+    elif name == "grp_between_tokens":
+        grp = b"".join(P.encode(k, rid, {"x": 1}) for k in ("GRPP", "GRPG", "GRPS", "GRPE"))
+        raw(accept + token + grp + token + P.encode("GRPP", 0, {}) + done)
+    elif name == "close_stdin":
+        os.close(0)  # the server's next write to us fails; stay alive so EOF is not what it sees
+        time.sleep(60)
+    elif name == "error_zero":
+        raw(P.encode("ERROR", 0, {"code": "INTERNAL", "message": "boom"}))
+    else:
+        raise SystemExit(f"unknown scenario {name}")
+
+
 if scenario == "less":
     ready(max_logprobs=5, echo=False, token_ids=False, seed=False, chat_template=False, max_members=4)
+elif scenario == "crash_on_start":
+    sys.exit(1)
 else:
     ready()
 
@@ -57,5 +122,7 @@ with open(logfile, "a") as log:
             sys.exit(0)
         log.write(f"{f.kind} {f.id} {json.dumps(f.payload, sort_keys=True)}\n")
         log.flush()
-        if f.kind == "SUBMIT":
+        if f.kind == "SUBMIT" and scenario == "hostile":
+            hostile(f.id, f.payload["members"][0].get("text", "ok"))
+        elif f.kind == "SUBMIT":
             one_token(f.id, len(f.payload.get("members", [{}])))
