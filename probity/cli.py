@@ -36,6 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for an engine slot; beyond it 429 queue_full")
     s.add_argument("--queue-timeout", type=float, default=120.0,
                    help="seconds a request may wait in the queue before 429 queue_timeout")
+    s.add_argument("--allowed-host", action="append", default=[],
+                   help="Host header value to accept (repeatable; '*' for any). Default: the loopback names when "
+                        "bound to loopback, the bind address otherwise, any when bound to 0.0.0.0/::")
+    s.add_argument("--cors-origin", action="append", default=[],
+                   help="browser origin allowed to call the API (repeatable); no CORS headers without one")
+    s.add_argument("--max-connections", type=int, default=512,
+                   help="open HTTP connections at most; beyond it new ones get 503 from the HTTP layer")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (408 request_timeout)")
     s.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="request body cap in bytes (413 above)")
     s.add_argument("--max-logprobs", type=int, default=32, help="largest accepted logprobs / top_logprobs")
     s.add_argument("--max-batch-members", type=int, default=128, help="prompt array member cap")
@@ -86,9 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     config = Config(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
         queue_timeout=args.queue_timeout, accept_timeout=accept_timeout, frame_timeout=frame_timeout,
-        max_restarts=args.max_restarts, max_body=args.max_body,
+        max_restarts=args.max_restarts, max_body=args.max_body, body_timeout=args.body_timeout,
+        allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
         limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
                       args.batch_completion_tokens),
         engine_args=engine_args, engine_command=args.engine_command.split() if args.engine_command else None)
+    from .server.transport import DeadlineH11Protocol
+
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10)
+                http=DeadlineH11Protocol, limit_concurrency=args.max_connections, timeout_graceful_shutdown=10)

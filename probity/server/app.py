@@ -1,6 +1,7 @@
 """The ASGI application: middleware (request id, auth, body cap), routes, the shared service."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -35,6 +36,9 @@ class Config:
     frame_timeout: float = 10.0
     max_restarts: int = 5
     max_body: int = 4 * 1024 * 1024
+    body_timeout: float = 30.0
+    allowed_hosts: list[str] = field(default_factory=list)   # empty: derived from the bind address
+    cors_origins: list[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)
     engine_args: list[str] = field(default_factory=list)
     engine_command: list[str] | None = None
@@ -64,16 +68,24 @@ class Service:
         return self.engine.ready_info
 
 
-async def read_json(request: Request, cap: int) -> dict:
+async def read_json(request: Request, cap: int, deadline: float = 30.0) -> dict:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise APIError("request_too_large", f"request body exceeds {cap} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise APIError("request_too_large", f"request body exceeds {cap} bytes")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise APIError("request_too_large", f"request body exceeds {cap} bytes")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), deadline)
+    except asyncio.TimeoutError:
+        raise APIError("request_timeout", f"the request body did not arrive within {deadline:g}s") from None
     raw = b"".join(chunks)
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
@@ -104,11 +116,17 @@ def create_app(config: Config) -> FastAPI:
                               "Field-by-field contract: docs/api.md.")
     app.state.svc = svc
 
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "x-request-id"], expose_headers=["x-request-id", "x-queue-wait-ms"])
     app.add_middleware(Envelope, svc=svc)
 
     async def handle(request: Request, fn, anthropic: bool = False) -> Response:
         try:
-            body = await read_json(request, config.max_body)
+            body = await read_json(request, config.max_body, config.body_timeout)
             result = await fn(svc, request, body)
             return JSONResponse(result) if isinstance(result, dict) else result
         except APIError as e:
@@ -205,6 +223,17 @@ class Envelope:
     def __init__(self, app, svc: Service):
         self.app = app
         self.svc = svc
+        cfg = svc.config
+        if "*" in cfg.allowed_hosts:
+            self.allowed = None
+        elif cfg.allowed_hosts:
+            self.allowed = set(cfg.allowed_hosts)
+        elif cfg.host in ("127.0.0.1", "localhost", "::1"):
+            self.allowed = {"127.0.0.1", "localhost", "::1"}
+        elif cfg.host in ("0.0.0.0", "::"):
+            self.allowed = None  # every interface: the operator opted in to remote access and set a key
+        else:
+            self.allowed = {cfg.host}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -222,6 +251,11 @@ class Envelope:
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
             await send(message)
 
+        host = _hostname(headers.get("host", ""))
+        if self.allowed is not None and host not in self.allowed:
+            # DNS rebinding: a page on another name that resolves to us must not reach the API.
+            resp = APIError("invalid_host", f"Host {host!r} is not allowed; see --allowed-host").response(anthropic)
+            return await resp(scope, receive, send_with_id)
         key = self.svc.config.api_key
         if key and path != "/health":
             given = headers.get("x-api-key")
@@ -237,6 +271,13 @@ class Envelope:
             self.svc.metrics.inc("probity_http_requests_total", endpoint=path if status[0] != 404 else "other",
                                  status=str(status[0]))
             log.info("%s %s %s %d %.3fs", rid, scope["method"], path, status[0], time.monotonic() - t0)
+
+
+def _hostname(host: str) -> str:
+    """The name part of a Host header: 'a:80' -> 'a', '[::1]:80' -> '::1'."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _model_card(m: dict) -> dict:

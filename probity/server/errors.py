@@ -23,6 +23,8 @@ CODES: dict[str, tuple[int, str, str]] = {
     "model_not_found": (404, "not_found_error", "not_found_error"),
     "not_found": (404, "not_found_error", "not_found_error"),
     "method_not_allowed": (405, "invalid_request_error", "invalid_request_error"),
+    "invalid_host": (400, "invalid_request_error", "invalid_request_error"),
+    "request_timeout": (408, "invalid_request_error", "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error", "request_too_large"),
     "queue_full": (429, "rate_limit_error", "rate_limit_error"),
     "queue_timeout": (429, "rate_limit_error", "rate_limit_error"),

@@ -1,0 +1,86 @@
+"""Defaults that keep people out: auth, bind refusal, Host allowlist, CORS, deadlines, body caps."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY_ID, LiveServer
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--cors-origin", "https://app.example"],
+                   env={"PROBITY_API_KEY": "s3cret"})
+    yield s
+    s.stop()
+
+
+def test_api_key_from_env_guards_every_route_but_health(keyed):
+    body = {"model": TINY_ID, "prompt": "Hi", "max_tokens": 1}
+    r = keyed.post("/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert keyed.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert keyed.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert keyed.post("/v1/completions", json=body, headers={"x-api-key": "s3cret"}).status_code == 200
+    r = keyed.post("/v1/messages", json={"model": TINY_ID, "max_tokens": 1, "messages": []})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert keyed.get("/metrics").status_code == 401
+    assert keyed.get("/health").status_code == 200
+
+
+def test_cors_only_for_configured_origins(keyed):
+    h = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    r = keyed.post("/v1/completions", json={}, headers={"Origin": "https://app.example", "x-api-key": "s3cret"})
+    assert r.headers.get("access-control-allow-origin") == "https://app.example"
+    r = keyed.post("/v1/completions", json={}, headers={"Origin": "https://evil.example", "x-api-key": "s3cret"})
+    assert "access-control-allow-origin" not in r.headers
+    del h
+
+
+def test_default_server_sends_no_cors_headers(tiny_server):
+    r = tiny_server.post("/v1/completions", json={}, headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_host_header_allowlist_blocks_dns_rebinding(tiny_server):
+    r = tiny_server.get("/v1/models", headers={"Host": "attacker.example"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    assert tiny_server.get("/v1/models", headers={"Host": f"localhost:{tiny_server.port}"}).status_code == 200
+
+
+def test_non_loopback_bind_without_key_is_refused_at_startup():
+    p = subprocess.run([sys.executable, "-m", "probity", "serve", "--host", "0.0.0.0", "--port", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "without --api-key" in p.stderr
+
+
+def test_missing_model_is_a_clear_startup_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "probity", "serve", "--model", str(tmp_path / "nope")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "does not exist" in p.stderr
+
+
+def test_trickled_request_head_is_cut_off(tiny_server, monkeypatch):
+    from probity.server import transport
+
+    with socket.create_connection(("127.0.0.1", tiny_server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        t0 = time.monotonic()
+        data = s.recv(1024)  # the server closes the connection at its header deadline
+        assert data == b"" and time.monotonic() - t0 <= transport.HEADER_TIMEOUT + 5
+
+
+def test_trickled_body_gets_408(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--body-timeout", "1"])
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"mo")
+            data = c.recv(65536)
+        assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data
+    finally:
+        s.stop()
