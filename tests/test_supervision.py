@@ -1,0 +1,176 @@
+"""The real engine under failure: SIGKILL mid-request and mid-stream, server death, shutdown,
+client disconnects, and a bounded load test."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import socket
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import TINY_ID, LiveServer
+
+
+@pytest.fixture
+def server(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "4"])
+    yield s
+    s.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(pred, within: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+LONG = {"model": TINY_ID, "prompt": "Hello", "max_tokens": 240, "temperature": 1.0}
+
+
+def slow_body(**kw):
+    # 8 x 240 tokens with top-32 tables on every one: long enough to be killed in the middle
+    return {**LONG, "logprobs": 32, "echo": True, "n": 8, **kw}
+
+
+def test_sigkill_engine_mid_request_gives_named_error_fast_and_restarts(server):
+    pid = server.engine_pid()
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(server.post, "/v1/completions", slow_body())
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        r = fut.result()
+        assert time.monotonic() - t0 < 1.0
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    h = server.get("/health")
+    assert h.status_code == 503 and h.json()["status"] in ("down", "restarting", "starting")
+    assert wait_for(lambda: server.get("/health").status_code == 200, 60)
+    assert server.engine_pid() != pid
+    r = server.post("/v1/completions", json={"model": TINY_ID, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+    assert server.get("/health").json()["engine"]["in_flight"] == 0
+
+
+def test_sigkill_engine_mid_stream_ends_the_stream_cleanly(server):
+    pid = server.engine_pid()
+    with httpx.stream("POST", server.url + "/v1/completions", json=slow_body(stream=True), timeout=30) as r:
+        assert r.status_code == 200
+        it = r.iter_text()
+        first = next(it)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = "".join(it)
+        assert time.monotonic() - t0 < 1.0
+    text = first + rest
+    assert "[DONE]" not in text and '"error"' not in text
+    assert wait_for(lambda: server.get("/health").status_code == 200, 60)
+
+
+def test_sigkill_server_leaves_no_engine_behind(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
+    pid = s.engine_pid()
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait()
+    assert wait_for(lambda: not pid_alive(pid), 5), "engine outlived a SIGKILLed server"
+    s.stop()
+
+
+def test_sigterm_lets_in_flight_work_finish_then_stops_the_engine(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
+    pid = s.engine_pid()
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(s.post, "/v1/completions", {**LONG, "max_tokens": 100})
+        time.sleep(0.2)
+        s.proc.send_signal(signal.SIGTERM)
+        r = fut.result()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert s.proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+    assert wait_for(lambda: not pid_alive(pid), 5)
+    s.stop()
+
+
+def raw_request(port: int, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    c = socket.create_connection(("127.0.0.1", port), timeout=30)
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_engine_work_and_frees_capacity(server, stream):
+    c = raw_request(server.port, slow_body(stream=stream, max_tokens=240))
+    assert wait_for(lambda: server.get("/health").json()["active"] == 1, 5)
+    time.sleep(0.2)
+    c.close()
+    # the slot is freed and the engine confirms the cancel (nothing left abandoned or in flight)
+    assert wait_for(lambda: (h := server.get("/health").json())["active"] == 0
+                    and h["engine"]["in_flight"] == 0 and h["engine"]["abandoned"] == 0, 2)
+
+
+def test_client_disconnect_while_queued_frees_its_place(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "1"])
+    try:
+        # the engine declares concurrency 1: one runs, the next waits in the queue
+        running = raw_request(s.port, slow_body())
+        assert wait_for(lambda: s.get("/health").json()["active"] == 1, 5)
+        queued = raw_request(s.port, slow_body())
+        assert wait_for(lambda: s.get("/health").json()["queued"] == 1, 5)
+        queued.close()
+        assert wait_for(lambda: s.get("/health").json()["queued"] == 0, 2)
+        running.close()
+        assert wait_for(lambda: s.get("/health").json()["active"] == 0, 2)
+    finally:
+        s.stop()
+
+
+def test_load_64_clients_against_a_small_queue(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "2", "--max-queue", "4"])
+    try:
+        rss_before = _rss(s.engine_pid()), _rss(s.proc.pid)
+        body = {"model": TINY_ID, "prompt": "Hello", "max_tokens": 20, "temperature": 1.0}
+
+        def one(_):
+            return s.post("/v1/completions", body, timeout=60)
+
+        for _ in range(3):
+            with cf.ThreadPoolExecutor(64) as pool:
+                results = list(pool.map(one, range(64)))
+            codes = {r.status_code for r in results}
+            assert codes <= {200, 429} and 200 in codes and 429 in codes
+            for r in results:
+                if r.status_code == 429:
+                    assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
+        h = s.get("/health").json()
+        assert h["active"] == 0 and h["queued"] == 0 and h["engine"]["in_flight"] == 0
+        rss_after = _rss(s.engine_pid()), _rss(s.proc.pid)
+        assert rss_after[0] < rss_before[0] * 1.5 and rss_after[1] < rss_before[1] * 1.5
+    finally:
+        s.stop()
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
