@@ -375,3 +375,18 @@ def test_logit_bias_and_penalties_change_sampling_not_logprobs(tiny_server):
 def test_empty_text_prompt_is_named(tiny_server):
     e = err(tiny_server, prompt="", max_tokens=1)
     assert e["param"] == "prompt"
+
+
+def test_reported_values_do_not_depend_on_temperature_or_top_p(tiny_server):
+    common = dict(prompt="The quick brown fox", max_tokens=0, echo=True, logprobs=5)
+    a = ok(tiny_server, temperature=0, **common)["choices"][0]["logprobs"]
+    b = ok(tiny_server, temperature=1.9, top_p=0.3, top_k=3, presence_penalty=1.5, **common)["choices"][0]["logprobs"]
+    assert a == b
+    # and a sampled token's reported value is the raw one: the same as when echo scores it
+    gen = ok(tiny_server, prompt="The quick", max_tokens=4, temperature=1.9, top_p=0.5, seed=4, logprobs=1,
+             return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    gen_ids = [int(t.split(":")[1]) for t in gen["tokens"]]
+    prompt_ids = tiny_server.post("/tokenize", json={"prompt": "The quick"}).json()["tokens"]
+    scored = ok(tiny_server, prompt=prompt_ids + gen_ids, max_tokens=0, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    for x, y in zip(gen["token_logprobs"], scored["token_logprobs"][len(prompt_ids):], strict=True):
+        assert abs(x - y) <= 1e-5

@@ -25,8 +25,10 @@ def hostile(tmp_path_factory):
 
 
 def send(server, scenario: str, stream: bool = False, timeout: float = 20) -> httpx.Response:
-    return server.post("/v1/completions", json={"model": "fake", "prompt": scenario, "max_tokens": 2,
-                                                "stream": stream}, timeout=timeout)
+    body = {"model": "fake", "prompt": scenario, "max_tokens": 2, "stream": stream}
+    if "echo" in scenario:
+        body["echo"] = True
+    return server.post("/v1/completions", json=body, timeout=timeout)
 
 
 def wait_healthy(server, within: float = 15.0) -> None:
@@ -48,7 +50,7 @@ def assert_recovers(server) -> None:
 VIOLATIONS = ["bad_header", "oversize_length", "short_payload_then_exit", "short_payload_then_stall",
               "missing_terminator", "bad_json", "unknown_kind", "foreign_id", "second_accept",
               "token_before_accept", "member_out_of_range", "echo_out_of_order", "die_before_accept",
-              "die_after_accept", "die_mid_stream", "error_zero"]
+              "die_after_accept", "die_mid_echo", "die_mid_stream", "error_zero"]
 
 
 @pytest.mark.parametrize("scenario", VIOLATIONS)

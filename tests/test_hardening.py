@@ -80,7 +80,13 @@ def test_trickled_body_gets_408(tiny_model_dir):
         with socket.create_connection(("127.0.0.1", s.port), timeout=30) as c:
             c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"mo")
-            data = c.recv(65536)
+            data = b""
+            deadline = time.monotonic() + 10
+            while b"request_timeout" not in data and time.monotonic() < deadline:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
         assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data
     finally:
         s.stop()

@@ -174,3 +174,18 @@ def _rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def test_waiting_past_the_queue_timeout_is_a_named_429(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "1", "--queue-timeout", "0.5"])
+    try:
+        running = raw_request(s.port, slow_body())
+        assert wait_for(lambda: s.get("/health").json()["active"] == 1, 5)
+        t0 = time.monotonic()
+        r = s.post("/v1/completions", {"model": TINY_ID, "prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout" and r.headers["retry-after"]
+        assert 0.4 <= time.monotonic() - t0 < 3
+        running.close()
+        assert wait_for(lambda: s.get("/health").json()["queued"] == 0, 2)
+    finally:
+        s.stop()

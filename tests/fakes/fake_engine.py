@@ -92,6 +92,11 @@ def hostile(rid: int, name: str) -> None:
     elif name == "die_after_accept":
         raw(accept)
         os._exit(1)
+    elif name == "die_mid_echo":
+        pos = {"id": 65, "bytes": "41", "logprob": None, "top": None}
+        raw(accept + P.encode("ECHO", rid, {"member": 0, "start": 0, "positions": [pos]}))
+        time.sleep(0.2)
+        os._exit(1)
     elif name == "die_mid_stream":
         raw(accept + token)
         time.sleep(0.3)
