@@ -153,3 +153,13 @@ def test_bad_bodies_are_named(tiny_server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = tiny_server.post("/v1/completions", content=b"x" * (4 * 1024 * 1024 + 1))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_openapi_page_describes_the_whole_surface(tiny_server):
+    assert tiny_server.get("/docs").status_code == 200
+    spec = tiny_server.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                 "/tokenize", "/detokenize", "/tokenizer_info", "/v1/models", "/health", "/metrics"):
+        assert path in spec["paths"], path
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"prompt", "echo", "logprobs", "seed"} <= set(body["properties"])

@@ -137,35 +137,36 @@ def create_app(config: Config) -> FastAPI:
             log.exception("unhandled error on %s", request.url.path)
             return APIError("internal_error", f"internal error: {type(e).__name__}").response(anthropic)
 
-    from . import openai_api
+    from . import anthropic_api, openai_api, tokenizer_api
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, openai_api.completions)
+    from .validation import CHAT_FIELDS, COMPLETION_FIELDS
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, openai_api.chat_completions)
+    routes = [
+        ("/v1/completions", openai_api.completions, False, COMPLETION_FIELDS, {"model", "prompt"}),
+        ("/v1/chat/completions", openai_api.chat_completions, False, CHAT_FIELDS, {"model", "messages"}),
+        ("/v1/messages", anthropic_api.messages, True, anthropic_api.MESSAGE_FIELDS,
+         {"model", "messages", "max_tokens"}),
+        ("/v1/messages/count_tokens", anthropic_api.count_tokens, True, {"model", "messages", "system"},
+         {"model", "messages"}),
+        ("/tokenize", tokenizer_api.tokenize, False, tokenizer_api.TOKENIZE_FIELDS, set()),
+        ("/detokenize", tokenizer_api.detokenize, False, tokenizer_api.DETOKENIZE_FIELDS, {"tokens"}),
+    ]
 
-    from . import anthropic_api
+    def endpoint_for(fn, anthropic: bool):
+        async def endpoint(request: Request):
+            return await handle(request, fn, anthropic)
+        endpoint.__doc__ = fn.__doc__
+        return endpoint
 
-    @app.post("/v1/messages")
-    async def messages(request: Request):
-        return await handle(request, anthropic_api.messages, anthropic=True)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request):
-        return await handle(request, anthropic_api.count_tokens, anthropic=True)
-
-    from . import tokenizer_api
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await handle(request, tokenizer_api.tokenize)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await handle(request, tokenizer_api.detokenize)
+    for path, fn, anthropic, fields, required in routes:
+        # The body is validated by probity's own code (named errors, not FastAPI's 422); this
+        # schema lists the accepted fields for the OpenAPI page. docs/api.md has their ranges.
+        schema = {"type": "object", "additionalProperties": False, "required": sorted(required),
+                  "properties": {f: {"description": "see docs/api.md"} for f in sorted(fields)}}
+        app.add_api_route(path, endpoint_for(fn, anthropic), methods=["POST"], name=fn.__name__,
+                          summary=f"{path} (fields and ranges: docs/api.md)",
+                          openapi_extra={"requestBody": {"required": True, "content": {
+                              "application/json": {"schema": schema}}}})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request):

@@ -5,9 +5,13 @@ from .errors import APIError
 from .validation import _bool, _check_keys, _token_ids, _type, parse_messages
 
 
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
 async def tokenize(svc, request, body: dict) -> dict:
     info = svc.ready_info()
-    _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}, {})
+    _check_keys(body, TOKENIZE_FIELDS, {})
     if body.get("model") is not None and body["model"] != info["model"]["id"]:
         raise APIError("model_not_found", f"model '{body['model']}' is not served here", "model")
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
@@ -32,7 +36,7 @@ async def tokenize(svc, request, body: dict) -> dict:
 
 async def detokenize(svc, request, body: dict) -> dict:
     info = svc.ready_info()
-    _check_keys(body, {"model", "tokens"}, {})
+    _check_keys(body, DETOKENIZE_FIELDS, {})
     if body.get("model") is not None and body["model"] != info["model"]["id"]:
         raise APIError("model_not_found", f"model '{body['model']}' is not served here", "model")
     tokens = body.get("tokens")
