@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from conftest import ROOT, TINY_ID, LiveServer
@@ -33,12 +34,16 @@ def test_api_key_from_env_guards_every_route_but_health(keyed):
 
 
 def test_cors_only_for_configured_origins(keyed):
-    h = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    h = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+         "Access-Control-Request-Headers": "x-api-key,content-type"}
+    pre = httpx.options(keyed.url + "/v1/completions", headers=h)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+    bad = httpx.options(keyed.url + "/v1/completions", headers={**h, "Origin": "https://evil.example"})
+    assert bad.headers.get("access-control-allow-origin") is None
     r = keyed.post("/v1/completions", json={}, headers={"Origin": "https://app.example", "x-api-key": "s3cret"})
     assert r.headers.get("access-control-allow-origin") == "https://app.example"
     r = keyed.post("/v1/completions", json={}, headers={"Origin": "https://evil.example", "x-api-key": "s3cret"})
     assert "access-control-allow-origin" not in r.headers
-    del h
 
 
 def test_default_server_sends_no_cors_headers(tiny_server):

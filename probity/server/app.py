@@ -258,7 +258,8 @@ class Envelope:
             resp = APIError("invalid_host", f"Host {host!r} is not allowed; see --allowed-host").response(anthropic)
             return await resp(scope, receive, send_with_id)
         key = self.svc.config.api_key
-        if key and path != "/health":
+        # CORS preflights carry no credentials by design; the CORS layer answers them.
+        if key and path != "/health" and scope["method"] != "OPTIONS":
             given = headers.get("x-api-key")
             auth = headers.get("authorization", "")
             if given is None and auth.lower().startswith("bearer "):
