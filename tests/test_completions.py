@@ -198,6 +198,11 @@ def test_same_seed_same_tokens_and_logprobs_under_concurrent_noise(tiny_server):
         assert r["text"] == alone["text"] and r["logprobs"] == alone["logprobs"]
 
 
+def test_seed_changes_nothing_but_sampling(tiny_server):
+    common = dict(prompt="Once upon", max_tokens=8, temperature=0, logprobs=3, echo=True)
+    assert ok(tiny_server, **common)["choices"] == ok(tiny_server, seed=99, **common)["choices"]
+
+
 def test_different_seeds_sample_differently(tiny_server):
     texts = {ok(tiny_server, prompt="Once upon", max_tokens=20, temperature=1.0, seed=s)["choices"][0]["text"]
              for s in range(5)}

@@ -12,12 +12,14 @@ import pytest
 from conftest import LiveServer
 
 FAKE = Path(__file__).parent / "fakes" / "fake_engine.py"
+hostile_log: list[Path] = []
 
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     log = tmp_path_factory.mktemp("hostile") / "frames.log"
     log.write_text("")
+    hostile_log.append(log)
     s = LiveServer(["--engine-command", f"{sys.executable} {FAKE} hostile {log}", "--max-restarts", "100"],
                    env={"PROBITY_ACCEPT_TIMEOUT": "1.5", "PROBITY_FRAME_TIMEOUT": "1"}, startup=30)
     yield s
@@ -139,3 +141,10 @@ def test_accept_timeout_env_var_is_read_by_its_real_name(tmp_path):
         assert r.status_code == 503 and 0.6 <= time.monotonic() - t0 < 3
     finally:
         s.stop()
+
+
+def test_seed_reaches_the_engine_in_the_submit(hostile):
+    r = hostile.post("/v1/completions", json={"model": "fake", "prompt": "ok", "max_tokens": 2, "seed": -7})
+    assert r.status_code == 200
+    last = [l for l in hostile_log[0].read_text().splitlines() if l.startswith("SUBMIT")][-1]
+    assert '"seed": -7' in last

@@ -55,6 +55,8 @@ def parse_messages_request(body: dict, served: str, vocab_size: int) -> Messages
     s = Sampling()
     s.max_tokens = _integer(body, "max_tokens", None, 1, 1 << 24)
     messages = _messages_and_system(body)
+    if body.get("stop_sequences") is not None and type(body["stop_sequences"]) is not list:
+        raise _type("stop_sequences", "an array of strings")
     s.stop = _stop(body, "stop_sequences")
     s.temperature = _number(body, "temperature", 1.0, 0.0, 1.0)
     s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
