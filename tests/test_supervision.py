@@ -192,3 +192,10 @@ def test_waiting_past_the_queue_timeout_is_a_named_429(tiny_model_dir):
         assert wait_for(lambda: s.get("/health").json()["queued"] == 0, 2)
     finally:
         s.stop()
+
+
+def test_engine_stats_reach_health_and_metrics(server):
+    server.post("/v1/completions", slow_body(max_tokens=120))
+    stats = server.get("/health").json()["engine"]["stats"]
+    assert stats["steps"] > 0 and stats["tokens_per_s"] > 0
+    assert "probity_engine_tokens_per_second" in server.get("/metrics").text

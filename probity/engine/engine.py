@@ -21,6 +21,7 @@ from .submit import Refusal, member_ids, parse_members, parse_sampling
 from .vocab import Vocab
 
 ECHO_CHUNK = 256
+STATS_EVERY = 1.0  # seconds between STATS frames while there is work
 ENGINE_BUILD = "probity-engine-1"
 
 
@@ -69,6 +70,9 @@ class Engine:
         self.inbox = inbox
         self.out = out
         self.shutting_down = False
+        self.steps = 0
+        self.tokens_since_stats = 0
+        self.last_stats = time.monotonic()
         self.fingerprint = f"fp_{loaded.digest[:12]}_{ENGINE_BUILD}_f32_t{torch.get_num_threads()}"
 
     # ------------------------------------------------------------ I/O
@@ -107,6 +111,17 @@ class Engine:
             self.poll()
             if self.scheduler.has_work:
                 self.step()
+                self.maybe_stats(became_idle=not self.scheduler.has_work)
+
+    def maybe_stats(self, became_idle: bool) -> None:
+        now = time.monotonic()
+        if now - self.last_stats < STATS_EVERY and not became_idle:
+            return
+        self.out.send("STATS", 0, {
+            "active": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "tokens_per_s": self.tokens_since_stats / (now - self.last_stats), "steps": self.steps})
+        self.tokens_since_stats = 0
+        self.last_stats = now
 
     def poll(self) -> None:
         while True:
@@ -217,6 +232,7 @@ class Engine:
 
     # ------------------------------------------------------------ stepping
     def step(self) -> None:
+        self.steps += 1
         seqs, is_prefill = self.scheduler.schedule()
         for seq in seqs:
             self.poll()  # a CANCEL takes effect before the next forward
@@ -278,6 +294,7 @@ class Engine:
         s = seq.request.sampling
         token = sample(logits, seq)
         seq.out.append(token)
+        self.tokens_since_stats += 1
         if s.presence_penalty or s.frequency_penalty:
             if seq.counts is None:
                 seq.counts = torch.zeros(logits.shape[-1])

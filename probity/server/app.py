@@ -58,6 +58,9 @@ class Service:
         self.metrics.gauge("probity_requests_active", lambda: self.admission.active)
         self.metrics.gauge("probity_engine_restarts", lambda: self.engine.restarts)
         self.metrics.gauge("probity_engine_up", lambda: 1 if self.engine.up else 0)
+        self.metrics.gauge("probity_engine_running_sequences", lambda: self.engine.stats.get("active", 0))
+        self.metrics.gauge("probity_engine_waiting_sequences", lambda: self.engine.stats.get("waiting", 0))
+        self.metrics.gauge("probity_engine_tokens_per_second", lambda: self.engine.stats.get("tokens_per_s", 0))
 
     def _engine_ready(self, info: dict) -> None:
         self.admission.capacity = info["concurrency"]

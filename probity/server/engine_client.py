@@ -23,7 +23,7 @@ from .errors import APIError
 log = logging.getLogger("probity.engine_client")
 
 ENGINE_CODE_MAP = {
-    # engine ERROR code -> (API error code, message prefix)
+    # engine ERROR code -> API error code (docs/api.md)
     "BAD_REQUEST": "invalid_value",
     "CONTEXT_EXCEEDED": "context_length_exceeded",
     "PROMPT_BUDGET": "prompt_batch_token_budget_exceeded",
@@ -342,4 +342,4 @@ class EngineClient:
 
     def health(self) -> dict:
         return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,
-                "in_flight": len(self.channels), "abandoned": len(self.abandoned), "pid": self.proc.pid if self.proc else None}
+                "in_flight": len(self.channels), "abandoned": len(self.abandoned), "stats": self.stats, "pid": self.proc.pid if self.proc else None}
