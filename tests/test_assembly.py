@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probity.server.assembly import TextBuilder, chat_logprobs, completion_logprobs, own_label
+from probity.server.assembly import TextBuilder, build_pieces, chat_logprobs, completion_logprobs, own_label
 
 texts = st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=0x1F9FF, blacklist_categories=("Cs",)),
                 min_size=1, max_size=40)
@@ -32,13 +32,10 @@ def tokenized(draw):
 @given(tokenized())
 def test_join_equals_text_offsets_and_distinct_labels(case):
     data, entries = case
-    b = TextBuilder()
-    for e in entries:
-        b.feed(e)
-    b.finish()
-    text = "".join(p.text for p in b.pieces)
+    pieces = build_pieces(entries)
+    text = "".join(p.text for p in pieces)
     assert text == data.decode("utf-8")
-    lp = completion_logprobs(b.pieces, 0, token_ids=False)
+    lp = completion_logprobs(pieces, 0, token_ids=False)
     assert "".join(lp.tokens) == text
     for tok, off in zip(lp.tokens, lp.text_offset):
         assert text[off:off + len(tok)] == tok
@@ -52,11 +49,7 @@ def test_join_equals_text_offsets_and_distinct_labels(case):
 @given(tokenized())
 def test_chat_bytes_are_exact_even_for_partial_characters(case):
     data, entries = case
-    b = TextBuilder()
-    for e in entries:
-        b.feed(e)
-    b.finish()
-    content = chat_logprobs(b.pieces)
+    content = chat_logprobs(build_pieces(entries))
     assert b"".join(bytes(c["bytes"]) for c in content) == data
     for c, e in zip(content, entries):
         assert c["token"] == own_label(bytes.fromhex(e["bytes"]))

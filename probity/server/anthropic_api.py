@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .assembly import TextBuilder
+from .assembly import TextBuilder, build_pieces
 from .errors import APIError
 from .generation import Generation, member_param, until_disconnect
 from .validation import (Sampling, _check_keys, _integer, _model, _number, _stop, _type, parse_messages,
@@ -112,14 +112,11 @@ async def messages(svc, request, body: dict):
         out = await until_disconnect(request, gen.collect())
     finally:
         gen.close()
-    b = TextBuilder()
-    for e in out.tokens.get((0, 0), []):
-        b.feed(e)
-    b.finish()
+    pieces = build_pieces(out.tokens.get((0, 0), []))
     reason, seq = _stop_reason(out.done["choices"][0])
     return JSONResponse({
         "id": msg_id, "type": "message", "role": "assistant", "model": m["id"],
-        "content": [{"type": "text", "text": "".join(p.text for p in b.pieces)}],
+        "content": [{"type": "text", "text": "".join(p.text for p in pieces)}],
         "stop_reason": reason, "stop_sequence": seq, "usage": _usage(out.done)}, headers=headers)
 
 

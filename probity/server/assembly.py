@@ -64,6 +64,17 @@ class TextBuilder:
         return tail
 
 
+def build_pieces(tokens: list[dict], echo: list[dict] = ()) -> list[Piece]:
+    """One whole choice: its echo positions (position 0 unconditioned), then its tokens."""
+    b = TextBuilder()
+    for j, e in enumerate(echo):
+        b.feed(e, conditioned=j > 0)
+    for e in tokens:
+        b.feed(e)
+    b.finish()
+    return b.pieces
+
+
 @dataclass
 class CompletionLogprobs:
     tokens: list = field(default_factory=list)

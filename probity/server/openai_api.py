@@ -9,7 +9,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from .assembly import TextBuilder, chat_logprobs, completion_logprobs
+from .assembly import TextBuilder, build_pieces, chat_logprobs, completion_logprobs
 from .errors import APIError
 from .generation import ClientGone, Generation, member_param, until_disconnect, usage
 from .validation import CompletionRequest, parse_chat, parse_completion
@@ -84,16 +84,11 @@ async def completions(svc, request: Request, body: dict):
     fins = {(c["member"], c["choice"]): c for c in out.done["choices"]}
     for mi in range(len(req.members)):
         for ci in range(n):
-            b = TextBuilder()
-            for j, e in enumerate(out.echo.get(mi, [])):
-                b.feed(e, conditioned=(j > 0))
-            for e in out.tokens.get((mi, ci), []):
-                b.feed(e)
-            b.finish()
-            text = "".join(p.text for p in b.pieces)
+            pieces = build_pieces(out.tokens.get((mi, ci), []), out.echo.get(mi, []))
+            text = "".join(p.text for p in pieces)
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs(b.pieces, 0, req.token_ids_labels).as_dict()
+                lp = completion_logprobs(pieces, 0, req.token_ids_labels).as_dict()
             choices.append({"index": mi * n + ci, "text": text, "logprobs": lp,
                             "finish_reason": fins[(mi, ci)]["finish_reason"]})
     body = {**meta, "object": "text_completion", "choices": choices, "usage": usage(out.done)}
@@ -191,12 +186,9 @@ async def chat_completions(svc, request: Request, body: dict):
     fins = {c["choice"]: c for c in out.done["choices"]}
     choices = []
     for ci in range(req.sampling.n):
-        b = TextBuilder()
-        for e in out.tokens.get((0, ci), []):
-            b.feed(e)
-        b.finish()
-        lp = {"content": _chat_lp(b.pieces, k), "refusal": None} if k is not None else None
-        choices.append({"index": ci, "message": {"role": "assistant", "content": "".join(p.text for p in b.pieces),
+        pieces = build_pieces(out.tokens.get((0, ci), []))
+        lp = {"content": _chat_lp(pieces, k), "refusal": None} if k is not None else None
+        choices.append({"index": ci, "message": {"role": "assistant", "content": "".join(p.text for p in pieces),
                                                  "refusal": None},
                         "logprobs": lp, "finish_reason": fins[ci]["finish_reason"]})
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(out.done)},
