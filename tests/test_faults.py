@@ -109,17 +109,18 @@ def test_failed_write_to_the_engine_is_a_named_500_not_a_hang(hostile):
 
 def test_requests_while_the_engine_is_down_get_a_named_503(tmp_path):
     log = tmp_path / "frames.log"
-    s = LiveServer(["--engine-command", f"{sys.executable} {FAKE} crash_on_start {log}", "--max-restarts", "2"],
-                   expect_ready=False)
+    s = LiveServer(["--engine-command", f"{sys.executable} {FAKE} crash_after_first_start {log}",
+                    "--max-restarts", "2"], expect_ready=False)
     try:
-        for _ in range(100):
+        def status():
             try:
-                s.get("/health")
-                break
+                return s.get("/health").json()["status"]
             except httpx.HTTPError:
-                time.sleep(0.1)
+                return None
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and s.get("/health").json()["status"] != "failed":
+        while status() in (None, "ok") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while time.monotonic() < deadline and status() != "failed":
             r = send(s, "ok")
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
             assert "retry-after" in r.headers
@@ -127,6 +128,8 @@ def test_requests_while_the_engine_is_down_get_a_named_503(tmp_path):
         h = s.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "failed"
         assert "exited" in h.json()["engine"]["last_error"]
+        r = send(s, "ok")
+        assert r.status_code == 503 and "not being restarted" in r.json()["error"]["message"]
     finally:
         s.stop()
 
@@ -144,6 +147,7 @@ def test_accept_timeout_env_var_is_read_by_its_real_name(tmp_path):
 
 
 def test_seed_reaches_the_engine_in_the_submit(hostile):
+    wait_healthy(hostile)
     r = hostile.post("/v1/completions", json={"model": "fake", "prompt": "ok", "max_tokens": 2, "seed": -7})
     assert r.status_code == 200
     last = [l for l in hostile_log[0].read_text().splitlines() if l.startswith("SUBMIT")][-1]

@@ -69,6 +69,15 @@ def test_missing_model_is_a_clear_startup_error(tmp_path):
     assert p.returncode != 0 and "does not exist" in p.stderr
 
 
+def test_unreadable_model_is_a_clear_startup_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    p = subprocess.run([sys.executable, "-m", "probity", "serve", "--model", str(bad), "--port", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "cannot load model" in p.stderr and "failed to start" in p.stderr
+
+
 def test_trickled_request_head_is_cut_off(tiny_server, monkeypatch):
     from probity.server import transport
 

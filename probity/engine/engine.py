@@ -366,4 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     except ModelNotFound as e:
         log(f"error: {e}")
         os._exit(3)
+    except Exception as e:  # a file transformers cannot read: say so plainly
+        log(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}")
+        os._exit(3)
     Engine(loaded, out, inbox, max_running=args.max_running, threads=args.threads).run()

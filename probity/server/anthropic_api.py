@@ -101,7 +101,7 @@ async def messages(svc, request, body: dict):
     payload = {"op": "generate", "members": [{"messages": req.messages}], **req.sampling.wire()}
     gen = Generation(svc, payload, 1, 1, False)
     try:
-        await gen.start()
+        await until_disconnect(request, gen.start())
     except APIError as e:
         raise member_param(e, "messages", False)
     msg_id = f"msg_{uuid.uuid4().hex}"

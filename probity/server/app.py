@@ -110,7 +110,10 @@ def create_app(config: Config) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
+        # The server listens only once the model is loaded: a model that cannot load is a
+        # startup error (non-zero exit), never a server that answers 503 forever.
         await svc.engine.start()
+        await svc.engine.wait_first_ready()
         yield
         await svc.engine.stop()
 

@@ -143,6 +143,8 @@ class EngineClient:
         self.last_error: str | None = None
         self.stats: dict = {}
         self._ready = asyncio.Event()
+        self._start_failed = asyncio.Event()
+        self.ever_ready = False
         self._reader: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self._stopping = False
@@ -155,6 +157,17 @@ class EngineClient:
             *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             preexec_fn=_pdeathsig, limit=1 << 16)
         self._reader = asyncio.create_task(self._read_loop(self.proc))
+
+    async def wait_first_ready(self) -> None:
+        """Block until the first READY; raise if the engine dies before it. An engine that
+        cannot load its model is a startup error, not something to restart forever."""
+        ready = asyncio.ensure_future(self._ready.wait())
+        failed = asyncio.ensure_future(self._start_failed.wait())
+        await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        failed.cancel()
+        if not self._ready.is_set():
+            raise RuntimeError(f"the engine failed to start: {self.last_error}")
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         try:
@@ -200,6 +213,10 @@ class EngineClient:
                 proc.kill()
             except ProcessLookupError:
                 pass
+        if not self.ever_ready:
+            self.state = "failed"
+            self._start_failed.set()
+            return
         if not self._stopping:
             self._restart_task = asyncio.create_task(self._restart())
 
@@ -255,6 +272,7 @@ class EngineClient:
                 self.ready_info = f.payload
                 self.state = "ready"
                 self.crashes_in_row = 0
+                self.ever_ready = True
                 self._ready.set()
                 if self.on_ready:
                     self.on_ready(f.payload)

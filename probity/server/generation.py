@@ -44,7 +44,8 @@ class Generation:
 
     async def start(self) -> dict:
         """Wait for a slot, submit, and wait for the engine's ACCEPT. Raises a named error;
-        after a raise nothing of this request is left anywhere."""
+        after a raise (or a cancel, when the client leaves while queued) nothing of this
+        request is left anywhere. Callers run it under `until_disconnect`."""
         svc = self.svc
         try:
             self.queue_s = await svc.admission.acquire()

@@ -65,7 +65,7 @@ async def completions(svc, request: Request, body: dict):
         payload["max_prompt_tokens"] = svc.limits.batch_prompt_tokens
     gen = Generation(svc, payload, len(req.members), req.sampling.n, req.echo)
     try:
-        await gen.start()
+        await until_disconnect(request, gen.start())
     except APIError as e:
         raise member_param(e, "prompt", req.is_array)
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": m["id"],
@@ -171,7 +171,7 @@ async def chat_completions(svc, request: Request, body: dict):
     payload = engine_payload([{"messages": req.messages}], req.sampling, k, False)
     gen = Generation(svc, payload, 1, req.sampling.n, False)
     try:
-        await gen.start()
+        await until_disconnect(request, gen.start())
     except APIError as e:
         raise member_param(e, "messages", False)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": m["id"],

@@ -115,7 +115,14 @@ def hostile(rid: int, name: str) -> None:
 
 if scenario == "less":
     ready(max_logprobs=5, echo=False, token_ids=False, seed=False, chat_template=False, max_members=4)
-elif scenario == "crash_on_start":
+elif scenario == "crash_after_first_start":
+    # the first engine comes up and dies; every restart dies before READY
+    marker = logfile + ".started"
+    if os.path.exists(marker):
+        sys.exit(1)
+    open(marker, "w").close()
+    ready()
+    time.sleep(0.5)
     sys.exit(1)
 else:
     ready()
