@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
 
 import pytest
 import torch

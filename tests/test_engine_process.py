@@ -1,10 +1,8 @@
 """The engine child on its own: it never outlives its input or its output."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 
 from conftest import ROOT
 from probity import protocol as P

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -168,13 +166,6 @@ class EngineClient:
         failed.cancel()
         if not self._ready.is_set():
             raise RuntimeError(f"the engine failed to start: {self.last_error}")
-
-    async def wait_ready(self, timeout: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     async def stop(self, grace: float = 5.0) -> None:
         self._stopping = True

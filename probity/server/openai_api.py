@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from .assembly import TextBuilder, build_pieces, chat_logprobs, completion_logprobs
 from .errors import APIError
-from .generation import ClientGone, Generation, member_param, until_disconnect, usage
+from .generation import Generation, member_param, until_disconnect, usage
 from .validation import CompletionRequest, parse_chat, parse_completion
 
 log = logging.getLogger("probity.server")
