@@ -152,3 +152,16 @@ def test_seed_reaches_the_engine_in_the_submit(hostile):
     assert r.status_code == 200
     last = [l for l in hostile_log[0].read_text().splitlines() if l.startswith("SUBMIT")][-1]
     assert '"seed": -7' in last
+
+
+def test_failure_after_commit_is_logged_with_the_request_id(hostile):
+    wait_healthy(hostile)
+    r = hostile.post("/v1/completions", json={"model": "fake", "prompt": "die_mid_stream", "max_tokens": 2,
+                                              "stream": True}, headers={"x-request-id": "req-trace-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "req-trace-42"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and "request_id=req-trace-42 " not in hostile.log_path.read_text():
+        time.sleep(0.1)
+    log = hostile.log_path.read_text()
+    assert "request_id=req-trace-42 response_id=cmpl-" in log and "stream ended after commit: code=engine_error" in log
+    assert_recovers(hostile)

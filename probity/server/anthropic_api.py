@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import uuid
 from dataclasses import dataclass
 
@@ -15,7 +14,6 @@ from .generation import Generation, member_param, until_disconnect
 from .validation import (Sampling, _check_keys, _integer, _model, _number, _stop, _type, parse_messages,
                          text_content)
 
-log = logging.getLogger("probity.server")
 
 PING_EVERY = 10.0  # seconds without an event before a ping keeps the stream alive
 MESSAGE_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
@@ -99,7 +97,7 @@ async def messages(svc, request, body: dict):
     if not info["capabilities"]["chat_template"]:
         raise APIError("engine_capability_missing", "the running engine has no chat template", "messages")
     payload = {"op": "generate", "members": [{"messages": req.messages}], **req.sampling.wire()}
-    gen = Generation(svc, payload, 1, 1, False)
+    gen = Generation(svc, request, payload, 1, 1, False)
     try:
         await until_disconnect(request, gen.start())
     except APIError as e:
@@ -169,7 +167,7 @@ async def stream_message(gen: Generation, msg_id: str, model: str):
                 yield event("message_stop", {"type": "message_stop"})
                 return
     except APIError as e:
-        log.error("stream %s ended after commit: %s %s", msg_id, e.code, e.message)
+        gen.log_stream_failure(msg_id, e)
         yield event("error", {"type": "error", "error": e.anthropic_body()["error"]})
     finally:
         if nxt is not None and not nxt.done():

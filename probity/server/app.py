@@ -247,6 +247,7 @@ class Envelope:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         rid = headers.get("x-request-id") or f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid  # request.state.request_id downstream
         path = scope["path"]
         anthropic = path.startswith("/v1/messages")
         t0 = time.monotonic()
@@ -278,7 +279,8 @@ class Envelope:
         finally:
             self.svc.metrics.inc("probity_http_requests_total", endpoint=path if status[0] != 404 else "other",
                                  status=str(status[0]))
-            log.info("%s %s %s %d %.3fs", rid, scope["method"], path, status[0], time.monotonic() - t0)
+            log.info("request_id=%s method=%s path=%s status=%d duration_s=%.3f", rid, scope["method"], path,
+                     status[0], time.monotonic() - t0)
 
 
 def _hostname(host: str) -> str:

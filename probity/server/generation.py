@@ -6,6 +6,7 @@ disconnect and slot release are the same everywhere.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,9 @@ from starlette.requests import Request
 
 from .engine_client import Channel
 from .errors import APIError
+
+
+log = logging.getLogger("probity.server")
 
 
 class ClientGone(Exception):
@@ -29,8 +33,9 @@ class Outcome:
 
 
 class Generation:
-    def __init__(self, svc, payload: dict, members: int, choices: int, echo: bool):
+    def __init__(self, svc, request: Request, payload: dict, members: int, choices: int, echo: bool):
         self.svc = svc
+        self.request_id = request.state.request_id
         self.payload = payload
         self.members = members
         self.choices = choices
@@ -68,6 +73,10 @@ class Generation:
                 self.first_token_at = time.monotonic()
                 self.svc.metrics.observe("probity_time_to_first_token_seconds", self.first_token_at - self.t0)
             yield f
+
+    def log_stream_failure(self, response_id: str, e: APIError) -> None:
+        log.error("request_id=%s response_id=%s stream ended after commit: code=%s %s",
+                  self.request_id, response_id, e.code, e.message)
 
     async def collect(self) -> Outcome:
         out = Outcome(self.accept)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 
@@ -14,7 +13,6 @@ from .errors import APIError
 from .generation import Generation, member_param, until_disconnect, usage
 from .validation import CompletionRequest, parse_chat, parse_completion
 
-log = logging.getLogger("probity.server")
 
 
 def sse(obj) -> bytes:
@@ -63,7 +61,7 @@ async def completions(svc, request: Request, body: dict):
     payload = engine_payload(req.members, req.sampling, req.logprobs, req.echo)
     if len(req.members) > 1:
         payload["max_prompt_tokens"] = svc.limits.batch_prompt_tokens
-    gen = Generation(svc, payload, len(req.members), req.sampling.n, req.echo)
+    gen = Generation(svc, request, payload, len(req.members), req.sampling.n, req.echo)
     try:
         await until_disconnect(request, gen.start())
     except APIError as e:
@@ -157,7 +155,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict)
                     yield sse({**meta, "object": "text_completion", "choices": [], "usage": usage(p)})
                 yield b"data: [DONE]\n\n"
     except APIError as e:
-        log.error("stream %s ended after commit: %s %s", meta["id"], e.code, e.message)
+        gen.log_stream_failure(meta["id"], e)
     finally:
         gen.close()
 
@@ -169,7 +167,7 @@ async def chat_completions(svc, request: Request, body: dict):
     k = req.top_logprobs if req.logprobs else None
     check_capabilities(info, logprobs=k, seed=req.sampling.seed is not None, chat=True, choices=req.sampling.n)
     payload = engine_payload([{"messages": req.messages}], req.sampling, k, False)
-    gen = Generation(svc, payload, 1, req.sampling.n, False)
+    gen = Generation(svc, request, payload, 1, req.sampling.n, False)
     try:
         await until_disconnect(request, gen.start())
     except APIError as e:
@@ -233,6 +231,6 @@ async def stream_chat(gen: Generation, req, meta: dict, k: int | None):
                     yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(p)})
                 yield b"data: [DONE]\n\n"
     except APIError as e:
-        log.error("stream %s ended after commit: %s %s", meta["id"], e.code, e.message)
+        gen.log_stream_failure(meta["id"], e)
     finally:
         gen.close()
