@@ -119,7 +119,7 @@ class Engine:
             return
         self.out.send("STATS", 0, {
             "active": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "tokens_per_s": self.tokens_since_stats / (now - self.last_stats), "steps": self.steps})
+            "tokens_per_s": self.tokens_since_stats / max(now - self.last_stats, 1e-6), "steps": self.steps})
         self.tokens_since_stats = 0
         self.last_stats = now
 
