@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from .assembly import TextBuilder, build_pieces
 from .errors import APIError
-from .generation import Generation, member_param, until_disconnect
-from .validation import (Sampling, _check_keys, _integer, _model, _number, _stop, _type, parse_messages,
+from .generation import Generation, check_capabilities, member_param, until_disconnect
+from .validation import (Sampling, _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages,
                          text_content)
 
 
@@ -26,7 +26,7 @@ MESSAGE_REFUSED = {
     "container": "containers are not supported",
     "service_tier": "service tiers are not supported",
 }
-STOP_REASON = {"length": "max_tokens"}
+COUNT_TOKENS_FIELDS = {"model", "messages", "system"}
 
 
 @dataclass
@@ -59,11 +59,7 @@ def parse_messages_request(body: dict, served: str, vocab_size: int) -> Messages
     s.temperature = _number(body, "temperature", 1.0, 0.0, 1.0)
     s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     s.top_k = _integer(body, "top_k", 0, 0, vocab_size)
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if type(stream) is not bool:
-        raise _type("stream", "a boolean")
+    stream = _bool(body, "stream", False)
     meta = body.get("metadata")
     if meta is not None:
         if type(meta) is not dict:
@@ -94,8 +90,7 @@ async def messages(svc, request, body: dict):
     info = svc.ready_info()
     m = info["model"]
     req = parse_messages_request(body, m["id"], m["vocab_size"])
-    if not info["capabilities"]["chat_template"]:
-        raise APIError("engine_capability_missing", "the running engine has no chat template", "messages")
+    check_capabilities(info, chat=True)
     payload = {"op": "generate", "members": [{"messages": req.messages}], **req.sampling.wire()}
     gen = Generation(svc, request, payload, 1, 1, False)
     try:
@@ -177,12 +172,9 @@ async def stream_message(gen: Generation, msg_id: str, model: str):
 
 async def count_tokens(svc, request, body: dict):
     info = svc.ready_info()
-    _check_keys(body, {"model", "messages", "system"}, {
-        "tools": "tool use is not supported", "tool_choice": "tool use is not supported",
-        "thinking": "extended thinking is not supported"})
+    _check_keys(body, COUNT_TOKENS_FIELDS, {k: MESSAGE_REFUSED[k] for k in ("tools", "tool_choice", "thinking")})
     _model(body, info["model"]["id"])
-    if not info["capabilities"]["chat_template"]:
-        raise APIError("engine_capability_missing", "the running engine has no chat template", "messages")
+    check_capabilities(info, chat=True)
     try:
         result = await svc.engine.run_op({"op": "tokenize", "members": [{"messages": _messages_and_system(body)}],
                                           "add_special_tokens": False})

@@ -152,7 +152,7 @@ def create_app(config: Config) -> FastAPI:
         ("/v1/chat/completions", openai_api.chat_completions, False, CHAT_FIELDS, {"model", "messages"}),
         ("/v1/messages", anthropic_api.messages, True, anthropic_api.MESSAGE_FIELDS,
          {"model", "messages", "max_tokens"}),
-        ("/v1/messages/count_tokens", anthropic_api.count_tokens, True, {"model", "messages", "system"},
+        ("/v1/messages/count_tokens", anthropic_api.count_tokens, True, anthropic_api.COUNT_TOKENS_FIELDS,
          {"model", "messages"}),
         ("/tokenize", tokenizer_api.tokenize, False, tokenizer_api.TOKENIZE_FIELDS, set()),
         ("/detokenize", tokenizer_api.detokenize, False, tokenizer_api.DETOKENIZE_FIELDS, {"tokens"}),

@@ -110,6 +110,30 @@ class Generation:
             self.svc.admission.release()
 
 
+def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = False, ids: bool = False,
+                       seed: bool = False, chat: bool = False, members: int = 1, choices: int = 1) -> None:
+    """Refuse, before any submit, what the running engine did not declare in READY."""
+    caps = info["capabilities"]
+
+    def missing(param: str, what: str) -> APIError:
+        return APIError("engine_capability_missing", f"the running engine does not support {what}", param)
+
+    if logprobs is not None and (not caps["logprobs"] or logprobs > caps["max_logprobs"]):
+        raise missing("logprobs", f"logprobs={logprobs} (max {caps['max_logprobs'] if caps['logprobs'] else 'none'})")
+    if echo and not caps["echo"]:
+        raise missing("echo", "echo")
+    if ids and not caps["token_ids"]:
+        raise missing("prompt", "token-id prompts")
+    if seed and not caps["seed"]:
+        raise missing("seed", "seeded sampling")
+    if chat and not caps["chat_template"]:
+        raise missing("messages", "chat (the model has no chat template)")
+    if members > caps["max_members"]:
+        raise missing("prompt", f"batches of more than {caps['max_members']} members")
+    if choices > caps["max_choices"]:
+        raise missing("n", f"n above {caps['max_choices']}")
+
+
 async def until_disconnect(request: Request, coro):
     """Run coro; if the client hangs up first, cancel it and raise ClientGone."""
     task = asyncio.ensure_future(coro)

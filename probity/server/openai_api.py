@@ -10,9 +10,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from .assembly import TextBuilder, build_pieces, chat_logprobs, completion_logprobs
 from .errors import APIError
-from .generation import Generation, member_param, until_disconnect, usage
+from .generation import Generation, check_capabilities, member_param, until_disconnect, usage
 from .validation import CompletionRequest, parse_chat, parse_completion
-
 
 
 def sse(obj) -> bytes:
@@ -26,30 +25,6 @@ def engine_payload(members: list[dict], sampling, logprobs: int | None, echo: bo
     if echo:
         p["echo"] = True
     return p
-
-
-def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = False, ids: bool = False,
-                       seed: bool = False, chat: bool = False, members: int = 1, choices: int = 1) -> None:
-    """Refuse, before any submit, what the running engine did not declare in READY."""
-    caps = info["capabilities"]
-
-    def missing(param: str, what: str) -> APIError:
-        return APIError("engine_capability_missing", f"the running engine does not support {what}", param)
-
-    if logprobs is not None and (not caps["logprobs"] or logprobs > caps["max_logprobs"]):
-        raise missing("logprobs", f"logprobs={logprobs} (max {caps['max_logprobs'] if caps['logprobs'] else 'none'})")
-    if echo and not caps["echo"]:
-        raise missing("echo", "echo")
-    if ids and not caps["token_ids"]:
-        raise missing("prompt", "token-id prompts")
-    if seed and not caps["seed"]:
-        raise missing("seed", "seeded sampling")
-    if chat and not caps["chat_template"]:
-        raise missing("messages", "chat (the model has no chat template)")
-    if members > caps["max_members"]:
-        raise missing("prompt", f"batches of more than {caps['max_members']} members")
-    if choices > caps["max_choices"]:
-        raise missing("n", f"n above {caps['max_choices']}")
 
 
 async def completions(svc, request: Request, body: dict):
