@@ -52,5 +52,6 @@ async def detokenize(svc, request, body: dict) -> dict:
 def tokenizer_info(svc) -> dict:
     m = svc.ready_info()["model"]
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model": m["id"], "vocab_size": m["vocab_size"],
-            "max_model_len": m["context_length"], "bos_token": m["bos_token"], "eos_token": m["eos_token"], "pad_token": m["pad_token"],
+            "max_model_len": m["context_length"], "bos_token": m["bos_token"], "eos_token": m["eos_token"],
+            "pad_token": m["pad_token"],
             "eos_token_ids": m["eos_token_ids"], "chat_template": m["chat_template"]}
