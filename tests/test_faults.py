@@ -97,6 +97,8 @@ def test_reserved_group_frames_are_drained_without_effect(hostile):
 
 
 def test_failed_write_to_the_engine_is_a_named_500_not_a_hang(hostile):
+    wait_healthy(hostile)
+    restarts = hostile.get("/health").json()["engine"]["restarts"]
     with cf.ThreadPoolExecutor(2) as pool:
         first = pool.submit(send, hostile, "close_stdin")
         time.sleep(0.5)
@@ -105,6 +107,12 @@ def test_failed_write_to_the_engine_is_a_named_500_not_a_hang(hostile):
         r = first.result()
         assert r.status_code in (500, 503) and r.json()["error"]["code"] in ("engine_error", "engine_timeout")
     assert_recovers(hostile)
+    # the failed write and the EOF after it are one failure: one restart, and the new
+    # engine is left alone (it is not killed by a second, late restart)
+    pid = hostile.engine_pid()
+    time.sleep(2.0)
+    h = hostile.get("/health").json()
+    assert h["status"] == "ok" and h["engine"]["pid"] == pid and h["engine"]["restarts"] == restarts + 1
 
 
 def test_requests_while_the_engine_is_down_get_a_named_503(tmp_path):

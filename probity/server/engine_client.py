@@ -146,6 +146,7 @@ class EngineClient:
         self._reader: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self._stopping = False
+        self._broken_proc: asyncio.subprocess.Process | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -191,9 +192,11 @@ class EngineClient:
         return self.state == "ready"
 
     def _broken(self, reason: str, proc) -> None:
-        """The pipe to `proc` cannot be trusted any more."""
-        if proc is not self.proc or self.state in ("stopped",):
+        """The pipe to `proc` cannot be trusted any more. Acts once per process: a failed
+        write and the EOF that follows it are one failure, with one restart."""
+        if proc is not self.proc or proc is self._broken_proc or self.state == "stopped":
             return
+        self._broken_proc = proc
         log.error("engine link broken: %s", reason)
         self.last_error = reason
         self.state = "down"
