@@ -206,6 +206,10 @@ _kind("READY", "engine", 1 * MiB, Obj({
     "capabilities": Obj({
         "logprobs": Bool(), "max_logprobs": Int(0, 1024), "echo": Bool(), "token_ids": Bool(),
         "seed": Bool(), "chat_template": Bool(), "max_members": Int(1), "max_choices": Int(1),
+    }, {
+        # what the numbers promise: bit-identical whatever else runs (batch_invariant) and
+        # whether or not a prefix came from the cache (prefix_cache)
+        "batch_invariant": Bool(), "prefix_cache": Bool(),
     }),
     "concurrency": Int(1, 4096),
 }))
@@ -233,6 +237,11 @@ _kind("ERROR", "engine", 64 * KiB, Obj(
 ))
 _kind("STATS", "engine", 64 * KiB, Obj({}, {
     "active": Int(), "waiting": Int(), "tokens_per_s": Num(), "steps": Int(),
+    # cumulative since the engine started
+    "forward_passes": Int(), "prompt_tokens_computed": Int(), "generated_tokens": Int(),
+    "prefix_query_tokens": Int(), "prefix_hit_tokens": Int(),
+    # now
+    "kv_blocks_used": Int(), "kv_blocks_total": Int(),
 }))
 for _name in ("GRPP", "GRPG", "GRPS", "GRPE"):
     _kind(_name, "engine", 1 * MiB, lambda v, p: None if type(v) is dict else _fail(p, "expected object"),

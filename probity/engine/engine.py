@@ -71,6 +71,9 @@ class Engine:
         self.out = out
         self.shutting_down = False
         self.steps = 0
+        self.forward_passes = 0
+        self.prompt_tokens_computed = 0
+        self.generated_tokens = 0
         self.tokens_since_stats = 0
         self.last_stats = time.monotonic()
         self.fingerprint = f"fp_{loaded.digest[:12]}_{ENGINE_BUILD}_f32_t{torch.get_num_threads()}"
@@ -119,7 +122,9 @@ class Engine:
             return
         self.out.send("STATS", 0, {
             "active": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "tokens_per_s": self.tokens_since_stats / max(now - self.last_stats, 1e-6), "steps": self.steps})
+            "tokens_per_s": self.tokens_since_stats / max(now - self.last_stats, 1e-6), "steps": self.steps,
+            "forward_passes": self.forward_passes, "prompt_tokens_computed": self.prompt_tokens_computed,
+            "generated_tokens": self.generated_tokens})
         self.tokens_since_stats = 0
         self.last_stats = now
 
@@ -246,6 +251,7 @@ class Engine:
                     req.prefill_s += time.monotonic() - t0
                 else:
                     logits, seq.cache = self.runner.decode(seq.out[-1], seq.cache)
+                    self.forward_passes += 1
                     self.advance(seq, logits)
                     req.decode_s += time.monotonic() - t0
             except Exception as e:
@@ -263,6 +269,8 @@ class Engine:
             req.t_first_forward = time.monotonic()
         want_echo = s.echo and seq.choice == 0
         logits, seq.cache = self.runner.prefill(seq.prompt, all_logits=want_echo)
+        self.forward_passes += 1
+        self.prompt_tokens_computed += len(seq.prompt)
         if want_echo:
             self.send_echo(seq, log_softmax(logits[:-1]) if len(seq.prompt) > 1 else None)
         if s.max_tokens == 0:
@@ -295,6 +303,7 @@ class Engine:
         token = sample(logits, seq)
         seq.out.append(token)
         self.tokens_since_stats += 1
+        self.generated_tokens += 1
         if s.presence_penalty or s.frequency_penalty:
             if seq.counts is None:
                 seq.counts = torch.zeros(logits.shape[-1])
