@@ -156,7 +156,7 @@ _position = Obj(
 )
 _token = Obj(
     {"id": TOKEN_ID, "bytes": Hex(), "logprob": LOGPROB},
-    {"top": Null(TOP), "keep": Int(0, 4 * KiB)},
+    {"top": Null(TOP), "keep": Int(0, 4 * KiB), "eos": Bool()},
 )
 _usage = Obj({"prompt_tokens": Int(), "completion_tokens": Int(), "cached_tokens": Int()})
 _finished = Obj({

@@ -308,15 +308,17 @@ class Engine:
             if seq.counts is None:
                 seq.counts = torch.zeros(logits.shape[-1])
             seq.counts[token] += 1
-        if token in self.vocab.eos_ids:
-            self.emit(seq, seq.stop_text.flush())
-            self.finish(seq, "stop")
-            return
         lp = log_softmax(logits.unsqueeze(0))
         entry = {"id": token, "bytes": self.vocab.token_bytes[token].hex(),
                  "logprob": finite_or_none(chosen_logprobs(lp, [token])[0])}
         if s.logprobs is not None:
             entry["top"] = self.table(top_tables(lp, [token], s.logprobs)[0])
+        if token in self.vocab.eos_ids:
+            # reported like every generated token (lm-eval drops the last entry as "the
+            # generated one"), flagged so the server keeps it out of the text
+            self.emit(seq, seq.stop_text.flush() + [{**entry, "eos": True}])
+            self.finish(seq, "stop")
+            return
         released, matched = seq.stop_text.push(entry, self.vocab.token_bytes[token])
         if matched is not None:
             self.emit(seq, released)

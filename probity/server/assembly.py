@@ -3,7 +3,8 @@ OpenAI logprobs shapes.
 
 Text is the UTF-8 decoding of the token bytes, one incremental decoder per choice, so a
 token that ends mid-character contributes "" and the token that completes the character
-carries it; `"".join(tokens) == text` by construction.
+carries it; `"".join(tokens) == text` by construction, except for a generated EOS token,
+which has its entry (labelled with its own text) but adds nothing to the text.
 
 Top-table labels (completions): the token actually at the position is labelled with its
 own text contribution, so lm-eval's greedy check (`max(top) == token`) works. Other
@@ -38,6 +39,13 @@ class Piece:
     logprob: float | None
     top: list | None    # [[id, hex, logprob], ...] sorted, or None
     conditioned: bool = True  # False only for echo position 0
+    eos: bool = False   # the generated end-of-sequence token: reported, but not part of the text
+
+    @property
+    def label(self) -> str:
+        """The token's text in `tokens`: its contribution to the text, except for EOS, which
+        contributes nothing and is labelled with its own text (e.g. `<|im_end|>`)."""
+        return own_label(self.raw) if self.eos else self.text
 
 
 class TextBuilder:
@@ -49,7 +57,11 @@ class TextBuilder:
 
     def feed(self, e: dict, conditioned: bool = True) -> Piece:
         raw = entry_bytes(e)
-        p = Piece(e["id"], raw, self.dec.decode(raw), e["logprob"], e.get("top"), conditioned)
+        if e.get("eos"):
+            self.finish()  # an incomplete character before EOS ends as U+FFFD in the text, not in EOS
+            p = Piece(e["id"], raw, "", e["logprob"], e.get("top"), conditioned, eos=True)
+        else:
+            p = Piece(e["id"], raw, self.dec.decode(raw), e["logprob"], e.get("top"), conditioned)
         self.pieces.append(p)
         return p
 
@@ -59,8 +71,9 @@ class TextBuilder:
 
     def finish(self) -> str:
         tail = self.dec.decode(b"", final=True)
-        if tail and self.pieces:
-            self.pieces[-1].text += tail
+        text_pieces = [p for p in self.pieces if not p.eos]
+        if tail and text_pieces:
+            text_pieces[-1].text += tail
         return tail
 
 
@@ -91,7 +104,7 @@ def completion_logprobs(pieces: list[Piece], start_offset: int, token_ids: bool)
     out = CompletionLogprobs()
     offset = start_offset
     for p in pieces:
-        label = f"token_id:{p.id}" if token_ids else p.text
+        label = f"token_id:{p.id}" if token_ids else p.label
         out.tokens.append(label)
         out.text_offset.append(offset)
         offset += len(p.text)
