@@ -324,6 +324,9 @@ def test_group_score_refused_before_anything_else(tiny_server):
     assert (e["code"], e["param"]) == ("unsupported_value", "group_score")
     for v in (None, False):
         ok(tiny_server, prompt="Hi", max_tokens=1, group_score=v)
+    for v in (0, 0.0, 1, "", [], {}, "false"):  # 0 == False in Python: must still be refused
+        e = err(tiny_server, prompt="Hi", max_tokens=1, group_score=v)
+        assert (e["code"], e["param"]) == ("unsupported_value", "group_score")
 
 
 def test_unknown_and_refused_fields_are_named(tiny_server):

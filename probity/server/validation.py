@@ -229,7 +229,9 @@ COMPLETION_REFUSED = {
 
 def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -> CompletionRequest:
     # Reserved for a future opt-in that changes the response shape: refuse before anything else.
-    if body.get("group_score", None) not in (None, False):
+    # `is`, not `in (None, False)`: 0 == False in Python, and 0 is not an accepted value.
+    gs = body.get("group_score")
+    if gs is not None and gs is not False:
         raise APIError("unsupported_value", "'group_score' is reserved; only null or false are accepted", "group_score")
     _check_keys(body, COMPLETION_FIELDS, COMPLETION_REFUSED)
     model = _model(body, served)
