@@ -51,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-prompt-tokens", type=int, default=65536, help="prompt-token budget of one prompt array")
     s.add_argument("--batch-completion-tokens", type=int, default=65536,
                    help="members x n x max_tokens budget of one prompt array")
-    s.add_argument("--max-running", type=int, default=16, help="sequences the engine runs at once")
-    s.add_argument("--threads", type=int, default=None, help="torch threads in the engine (default: torch's)")
+    s.add_argument("--max-running", type=int, default=64, help="sequences the engine runs at once")
+    s.add_argument("--threads", type=int, default=None, help="torch threads in the engine (default: every core)")
+    s.add_argument("--step-tokens", type=int, default=512,
+                   help="token rows in one forward pass: decodes plus prompt chunks (bounds step memory)")
+    s.add_argument("--kv-cache-gib", type=float, default=2.0,
+                   help="size of the preallocated KV block pool in GiB (the context window is capped to it)")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="engine crashes in a row (without a READY between) before the server stops restarting it")
     s.add_argument("--engine-command", default=None,
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         frame_timeout = float(os.environ.get("PROBITY_FRAME_TIMEOUT", "10"))
     except ValueError:
         sys.exit("probity: PROBITY_ACCEPT_TIMEOUT and PROBITY_FRAME_TIMEOUT must be numbers of seconds")
-    engine_args = ["--max-running", str(args.max_running)]
+    engine_args = ["--max-running", str(args.max_running), "--step-tokens", str(args.step_tokens),
+                   "--kv-cache-gib", str(args.kv_cache_gib)]
     if args.threads:
         engine_args += ["--threads", str(args.threads)]
     config = Config(

@@ -13,8 +13,9 @@ import torch
 from .. import protocol as P
 from ..protocol import Frame, finite_or_none
 from .loader import Loaded, log
+from .model import UnsupportedModel
 from .runner import ModelRunner
-from .sampler import chosen_logprobs, log_softmax, new_generator, sample, top_tables
+from .sampler import new_generator, sample, top_tables
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status, StopText
 from .submit import Refusal, member_ids, parse_members, parse_sampling
@@ -22,7 +23,7 @@ from .vocab import Vocab
 
 ECHO_CHUNK = 256
 STATS_EVERY = 1.0  # seconds between STATS frames while there is work
-ENGINE_BUILD = "probity-engine-1"
+ENGINE_BUILD = "probity-engine-2"
 
 
 class Writer:
@@ -60,12 +61,12 @@ def read_loop(stream, inbox: queue.Queue, out: Writer) -> None:
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, max_running: int = 16,
-                 threads: int | None = None):
+    def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, max_running: int = 64,
+                 threads: int | None = None, step_tokens: int = 512, kv_cache_gib: float = 2.0):
         self.loaded = loaded
-        self.runner = ModelRunner(loaded.model, threads)
+        self.runner = ModelRunner(loaded.model, threads, kv_cache_gib)
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
-        self.scheduler = Scheduler(max_running)
+        self.scheduler = Scheduler(self.runner.pool, max_running, step_tokens)
         self.requests: dict[int, Request] = {}
         self.inbox = inbox
         self.out = out
@@ -100,21 +101,27 @@ class Engine:
                 "logprobs": True, "max_logprobs": P.MAX_LOGPROBS, "echo": True, "token_ids": True,
                 "seed": True, "chat_template": self.vocab.has_chat_template,
                 "max_members": P.MAX_MEMBERS, "max_choices": P.MAX_CHOICES,
+                "batch_invariant": True, "prefix_cache": False,
             },
             "concurrency": self.scheduler.max_running,
         }
 
     def run(self) -> None:
         self.out.send("READY", 0, self.ready())
+        busy = False
         while True:
             if not self.scheduler.has_work:
+                if busy:  # idle for any reason (finished, cancelled, failed): say so now
+                    self.maybe_stats(became_idle=True)
+                    busy = False
                 if self.shutting_down:
                     os._exit(0)
                 self.handle(self.inbox.get())
-            self.poll()
+            self.poll()  # a CANCEL takes effect before the next forward
             if self.scheduler.has_work:
+                busy = True
                 self.step()
-                self.maybe_stats(became_idle=not self.scheduler.has_work)
+                self.maybe_stats(became_idle=False)
 
     def maybe_stats(self, became_idle: bool) -> None:
         now = time.monotonic()
@@ -124,7 +131,8 @@ class Engine:
             "active": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "tokens_per_s": self.tokens_since_stats / max(now - self.last_stats, 1e-6), "steps": self.steps,
             "forward_passes": self.forward_passes, "prompt_tokens_computed": self.prompt_tokens_computed,
-            "generated_tokens": self.generated_tokens})
+            "generated_tokens": self.generated_tokens,
+            "kv_blocks_used": self.runner.pool.used, "kv_blocks_total": self.runner.pool.num_blocks - 1})
         self.tokens_since_stats = 0
         self.last_stats = now
 
@@ -224,6 +232,11 @@ class Engine:
                     generator=new_generator(sampling.seed, c), stop_text=StopText(sampling.stop)))
         self.requests[rid] = req
         self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": 0} for ids in prompts]})
+        if sampling.echo:
+            req.echo_pending = set(range(len(prompts)))
+            for seq in req.sequences:
+                if seq.choice == 0:
+                    self.echo_first(seq)
         for seq in req.sequences:
             self.scheduler.add(seq)
 
@@ -237,68 +250,92 @@ class Engine:
 
     # ------------------------------------------------------------ stepping
     def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return
         self.steps += 1
-        seqs, is_prefill = self.scheduler.schedule()
-        for seq in seqs:
-            self.poll()  # a CANCEL takes effect before the next forward
+        self.forward_passes += 1
+        t0 = time.monotonic()
+        for seq, _ in batch:
+            if seq.request.t_first_forward is None:
+                seq.request.t_first_forward = t0
+        try:
+            results = self.runner.step(batch, self.wants_sample)
+        except Exception as e:
+            log(f"forward failed: {traceback.format_exc()}")
+            for req in {id(seq.request): seq.request for seq, _ in batch}.values():
+                self.fail(req, e)
+            return
+        dt = time.monotonic() - t0
+        seen: set[int] = set()
+        for (seq, n), res in zip(batch, results):
             req = seq.request
-            if req.cancelled or seq.status is not Status.RUNNING:
-                continue
-            t0 = time.monotonic()
-            try:
-                if is_prefill:
-                    self.prefill(seq)
-                    req.prefill_s += time.monotonic() - t0
+            if id(req) not in seen:
+                seen.add(id(req))
+                if any(s.remaining > 1 for s, _ in batch if s.request is req):
+                    req.prefill_s += dt
                 else:
-                    logits, seq.cache = self.runner.decode(seq.out[-1], seq.cache)
-                    self.forward_passes += 1
-                    self.advance(seq, logits)
-                    req.decode_s += time.monotonic() - t0
-            except Exception as e:
-                log(f"request {req.id} failed: {traceback.format_exc()}")
-                self.requests.pop(req.id, None)
-                self.scheduler.drop(req)
-                self.refuse(req.id, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
-                continue
+                    req.decode_s += dt
+            if seq.num_computed < len(seq.prompt):
+                self.prompt_tokens_computed += min(n, len(seq.prompt) - seq.num_computed)
+            seq.num_computed += n
+            if res.echo:
+                self.send_echo(seq, res.echo)
+            if res.logits is not None:
+                self.advance(seq, res.logits, res.lp)
+            elif seq.remaining == 0 and not self.wants_sample(seq):
+                self.finish(seq, "length")  # max_tokens 0: the echo was all that was asked
+        for req in {id(seq.request): seq.request for seq, _ in batch}.values():
             if req.finished and self.requests.get(req.id) is req:
                 self.done(req)
 
-    def prefill(self, seq: Sequence) -> None:
-        req, s = seq.request, seq.request.sampling
-        if req.t_first_forward is None:
-            req.t_first_forward = time.monotonic()
-        want_echo = s.echo and seq.choice == 0
-        logits, seq.cache = self.runner.prefill(seq.prompt, all_logits=want_echo)
-        self.forward_passes += 1
-        self.prompt_tokens_computed += len(seq.prompt)
-        if want_echo:
-            self.send_echo(seq, log_softmax(logits[:-1]) if len(seq.prompt) > 1 else None)
-        if s.max_tokens == 0:
-            self.finish(seq, "length")
-            return
-        self.advance(seq, logits[-1])
+    def wants_sample(self, seq: Sequence) -> bool:
+        return not seq.done_budget
 
-    def send_echo(self, seq: Sequence, lp) -> None:
-        k = seq.request.sampling.logprobs
-        prompt = seq.prompt
-        targets = prompt[1:]
-        vals = chosen_logprobs(lp, targets) if lp is not None else []
-        tables = top_tables(lp, targets, k) if (lp is not None and k is not None) else None
-        positions = [{"id": prompt[0], "bytes": self.vocab.token_bytes[prompt[0]].hex(), "logprob": None, "top": None}]
-        for i, t in enumerate(targets):
-            pos = {"id": t, "bytes": self.vocab.token_bytes[t].hex(), "logprob": finite_or_none(vals[i])}
-            if tables is not None:
-                pos["top"] = self.table(tables[i])
+    def fail(self, req: Request, e: Exception) -> None:
+        if self.requests.pop(req.id, None) is None:
+            return
+        self.scheduler.drop(req)
+        self.refuse(req.id, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
+
+    def send_echo(self, seq: Sequence, entries: list) -> None:
+        positions = []
+        for p, value, table in entries:
+            t = seq.prompt[p]
+            pos = {"id": t, "bytes": self.vocab.token_bytes[t].hex(), "logprob": finite_or_none(value)}
+            if table is not None:
+                pos["top"] = self.table(table)
             positions.append(pos)
-        for start in range(0, len(positions), ECHO_CHUNK):
+        start = entries[0][0]
+        seq.echo_next = entries[-1][0] + 1
+        for i in range(0, len(positions), ECHO_CHUNK):
             self.out.send("ECHO", seq.request.id, {
-                "member": seq.member, "start": start, "positions": positions[start:start + ECHO_CHUNK]})
+                "member": seq.member, "start": start + i, "positions": positions[i:i + ECHO_CHUNK]})
+        if seq.echo_next >= len(seq.prompt):
+            self.echo_complete(seq)
+
+    def echo_first(self, seq: Sequence) -> None:
+        """Position 0 has nothing to condition it: sent as soon as the sequence is accepted."""
+        t = seq.prompt[0]
+        self.out.send("ECHO", seq.request.id, {"member": seq.member, "start": 0, "positions": [
+            {"id": t, "bytes": self.vocab.token_bytes[t].hex(), "logprob": None, "top": None}]})
+        seq.echo_next = 1
+        if len(seq.prompt) == 1:
+            self.echo_complete(seq)
+
+    def echo_complete(self, seq: Sequence) -> None:
+        seq.echo_next = 0
+        seq.request.echo_pending.discard(seq.member)
+        for other in seq.request.sequences:  # tokens that waited for this member's echo
+            if other.member == seq.member and other.held:
+                held, other.held = other.held, []
+                self.emit(other, held)
 
     def table(self, pairs) -> list:
         return [[i, self.vocab.token_bytes[i].hex(), finite_or_none(v)] for i, v in pairs]
 
-    def advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample one token from the last position's logits and release what can be released."""
+    def advance(self, seq: Sequence, logits: torch.Tensor, lp: torch.Tensor) -> None:
+        """Sample one token from the last position's raw logits and report it."""
         s = seq.request.sampling
         token = sample(logits, seq)
         seq.out.append(token)
@@ -308,11 +345,10 @@ class Engine:
             if seq.counts is None:
                 seq.counts = torch.zeros(logits.shape[-1])
             seq.counts[token] += 1
-        lp = log_softmax(logits.unsqueeze(0))
         entry = {"id": token, "bytes": self.vocab.token_bytes[token].hex(),
-                 "logprob": finite_or_none(chosen_logprobs(lp, [token])[0])}
+                 "logprob": finite_or_none(lp[token].item())}
         if s.logprobs is not None:
-            entry["top"] = self.table(top_tables(lp, [token], s.logprobs)[0])
+            entry["top"] = self.table(top_tables(lp.unsqueeze(0), [token], s.logprobs)[0])
         if token in self.vocab.eos_ids:
             # reported like every generated token (lm-eval drops the last entry as "the
             # generated one"), flagged so the server keeps it out of the text
@@ -331,6 +367,9 @@ class Engine:
             self.emit(seq, released)
 
     def emit(self, seq: Sequence, entries: list[dict]) -> None:
+        if seq.member in seq.request.echo_pending:
+            seq.held += entries  # a member's echo goes out before any of its tokens
+            return
         for start in range(0, len(entries), 256):
             self.out.send("TOKEN", seq.request.id, {
                 "member": seq.member, "choice": seq.choice, "tokens": entries[start:start + 256]})
@@ -358,8 +397,10 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m probity.engine", description="probity engine child (speaks the pipe on stdin/stdout)")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--step-tokens", type=int, default=512)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     args = ap.parse_args(argv)
 
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
@@ -380,4 +421,13 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # a file transformers cannot read: say so plainly
         log(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}")
         os._exit(3)
-    Engine(loaded, out, inbox, max_running=args.max_running, threads=args.threads).run()
+    if args.step_tokens < 1 or args.max_running < 1 or not args.kv_cache_gib > 0:
+        log("error: --step-tokens and --max-running must be positive, --kv-cache-gib above 0")
+        os._exit(3)
+    try:
+        engine = Engine(loaded, out, inbox, max_running=args.max_running, threads=args.threads or os.cpu_count(),
+                        step_tokens=args.step_tokens, kv_cache_gib=args.kv_cache_gib)
+    except UnsupportedModel as e:
+        log(f"error: {e}")
+        os._exit(3)
+    engine.run()

@@ -1,30 +1,125 @@
-"""Tensors in, logits out: the model and one KV cache per sequence."""
+"""Tensors in, logits out: one forward over every scheduled sequence's new tokens, then the
+head and the log-softmax only for the rows somebody asked about (echo positions, the row a
+token is sampled from), in chunks of at most `head_rows` rows, so peak memory is set by the
+flags and not by the request."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
-from transformers import DynamicCache
+
+from .kv_cache import BlockPool
+from .model import KEY_ALIGN, AttnGroup, Model
+from .sampler import top_tables
+from .sequence import Sequence
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class SeqResult:
+    """What one step produced for one sequence."""
+    echo: list[tuple[int, float, list | None]] = field(default_factory=list)  # (position, logprob, table)
+    logits: torch.Tensor | None = None   # raw logits of the row to sample from
+    lp: torch.Tensor | None = None       # its log-softmax
 
 
 class ModelRunner:
-    def __init__(self, model, threads: int | None = None):
-        self.model = model
+    def __init__(self, hf_model, threads: int | None = None, kv_cache_gib: float = 2.0,
+                 head_rows: int = 128, num_blocks: int | None = None):
         if threads:
             torch.set_num_threads(threads)
-        cfg = model.config
-        self.context_length = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        cfg = hf_model.config
+        per_block = Model.bytes_per_token(cfg) * BLOCK_SIZE
+        num_blocks = num_blocks or max(2, int(kv_cache_gib * (1 << 30)) // per_block + 1)
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE)
+        self.model = Model(hf_model, num_blocks, BLOCK_SIZE)
+        self.vocab_size = self.model.vocab_size
+        ctx = int(getattr(cfg, "max_position_embeddings", 2048))
+        window = getattr(cfg, "sliding_window", None)
+        if isinstance(window, int) and window > 0:
+            ctx = min(ctx, window)  # within the window, sliding attention is full attention
+        self.context_length = min(ctx, self.pool.capacity_tokens)
+        self.head_rows = head_rows
+        self.align = KEY_ALIGN // BLOCK_SIZE
+
+    def _table(self, seq: Sequence, length: int, nb: int) -> list[int]:
+        used = seq.blocks[: self.pool.blocks_for(length)]
+        return used + [0] * (nb - len(used))
+
+    def _groups(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> list[AttnGroup]:
+        """Decoding sequences attend together; each prompt chunk attends alone."""
+        def padded_blocks(length: int) -> int:
+            nb = self.pool.blocks_for(length)
+            return -(-nb // self.align) * self.align
+
+        groups = []
+        decode = [(i, seq) for i, (seq, n) in enumerate(batch) if n == 1]
+        if decode:
+            nb = max(padded_blocks(seq.num_computed + 1) for _, seq in decode)
+            groups.append(AttnGroup(
+                starts=[starts[i] for i, _ in decode], rows=1,
+                qpos=torch.tensor([[seq.num_computed] for _, seq in decode]),
+                tables=torch.tensor([self._table(seq, seq.num_computed + 1, nb) for _, seq in decode])))
+        for i, (seq, n) in enumerate(batch):
+            if n > 1:
+                end = seq.num_computed + n
+                nb = padded_blocks(end)
+                groups.append(AttnGroup(
+                    starts=[starts[i]], rows=n, qpos=torch.arange(seq.num_computed, end)[None, :],
+                    tables=torch.tensor([self._table(seq, end, nb)])))
+        return groups
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], all_logits: bool) -> tuple[torch.Tensor, object]:
-        """Run the whole prompt. Returns (logits for every position or just the last, cache)."""
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=torch.tensor([ids]), cache=cache, use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-        )
-        return out.logits[0].float(), out.cache
+    def forward(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
+        """The final hidden rows of every sequence's next `n` positions (whose blocks the
+        scheduler has allocated), and where each sequence's rows start."""
+        tokens, positions, slots, starts = [], [], [], []
+        bs = self.pool.block_size
+        for seq, n in batch:
+            starts.append(len(tokens))
+            a = seq.num_computed
+            tokens += seq.tokens[a:a + n]
+            for p in range(a, a + n):
+                positions.append(p)
+                slots.append(seq.blocks[p // bs] * bs + p % bs)
+        hidden = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
+                                    self._groups(batch, starts))
+        return hidden, starts
 
     @torch.inference_mode()
-    def decode(self, token: int, cache) -> tuple[torch.Tensor, object]:
-        out = self.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
-        return out.logits[0, -1].float(), out.cache
+    def step(self, batch: list[tuple[Sequence, int]], wants_sample) -> list[SeqResult]:
+        """Run one forward. `wants_sample(seq)` says whether a token is to be sampled once the
+        sequence's positions are all computed. Does not advance `num_computed`."""
+        hidden, starts = self.forward(batch)
+        # which rows need the head: (row, seq index, kind, target/position)
+        wanted: list[tuple[int, int, str, int]] = []
+        for i, (seq, n) in enumerate(batch):
+            a = seq.num_computed
+            prompt_len = len(seq.prompt)
+            if seq.echo_next:
+                for p in range(max(seq.echo_next, a + 1), min(a + n, prompt_len - 1) + 1):
+                    wanted.append((starts[i] + p - 1 - a, i, "echo", p))
+            if a + n == len(seq.tokens) and wants_sample(seq):
+                wanted.append((starts[i] + n - 1, i, "sample", 0))
+        results = [SeqResult() for _ in batch]
+        for c in range(0, len(wanted), self.head_rows):
+            chunk = wanted[c:c + self.head_rows]
+            logits = self.model.logits(hidden[torch.tensor([w[0] for w in chunk])])
+            lp = torch.log_softmax(logits, dim=-1)
+            echo_rows: dict[int, list[int]] = {}
+            for j, (_, i, kind, p) in enumerate(chunk):
+                if kind == "sample":
+                    results[i].logits, results[i].lp = logits[j].clone(), lp[j].clone()
+                else:
+                    echo_rows.setdefault(i, []).append(j)
+            for i, rows in echo_rows.items():
+                seq = batch[i][0]
+                pos = [chunk[j][3] for j in rows]
+                targets = [seq.prompt[p] for p in pos]
+                sub = lp[torch.tensor(rows)]
+                vals = sub[torch.arange(len(rows)), torch.tensor(targets)].tolist()
+                k = seq.request.sampling.logprobs
+                tables = top_tables(sub, targets, k) if k is not None else [None] * len(rows)
+                results[i].echo += list(zip(pos, vals, tables))
+        return results

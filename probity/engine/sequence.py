@@ -39,6 +39,7 @@ class Request:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     cancelled: bool = False
+    echo_pending: set = field(default_factory=set)  # members whose echo is not yet all sent
 
     @property
     def finished(self) -> bool:
@@ -113,10 +114,22 @@ class Sequence:
     stop_text: StopText
     out: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    cache: object = None          # the model's KV cache for this sequence
+    blocks: list[int] = field(default_factory=list)  # KV block table
+    num_computed: int = 0         # leading positions whose K/V are in the pool
+    echo_next: int = 0            # next prompt position whose echo entry is owed (echo choice only)
+    held: list = field(default_factory=list)  # tokens waiting for the member's echo to finish
     finish_reason: str | None = None
     stop_matched: str | None = None
     counts: object = None         # per-token counts of generated ids (penalties)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out if self.out else self.prompt
+
+    @property
+    def remaining(self) -> int:
+        """Positions still to run before the next token can be sampled."""
+        return len(self.prompt) + len(self.out) - self.num_computed
 
     @property
     def done_budget(self) -> bool:

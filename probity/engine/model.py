@@ -1,0 +1,217 @@
+"""The transformer forward in plain torch: the one place that knows how a token row is computed.
+
+Batch invariance is a property of this file: a row's result must not depend on which other
+rows share the step, where it sits among them, how its prompt was chunked, or whether it is
+computed in a prefill or in a decode. Each op is chosen for that, and tests/test_invariance.py
+checks it bit for bit:
+
+- Linear layers run through oneDNN with weights prepacked once (`_linear_pointwise`): every
+  row is reduced in the same order whatever the row count (plain `F.linear` switches kernels
+  with the row count below 16 rows). Calls get at least MIN_ROWS rows, padded.
+- Attention gathers each sequence's keys from the paged pool, padded with masked positions to
+  a multiple of KEY_ALIGN, and computes `exp(s - max) @ [V | 1]`: the softmax denominator comes
+  out of the same GEMM as the values, so it is reduced in the same order as they are; masked
+  positions contribute exact zeros, so the padded length does not change a bit. Every
+  attention GEMM holds at least MIN_ROWS query rows (grouped-query heads count as rows).
+- Norms, rotary embeddings and activations are per-row or elementwise.
+
+Families: Llama, Mistral, Qwen2, Qwen3 (their weights read from the transformers module).
+Anything else is refused at startup rather than served wrongly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+MIN_ROWS = 2      # rows per GEMM call; below it a kernel may reduce differently
+KEY_ALIGN = 64    # attention key length is padded to a multiple of this
+
+
+class UnsupportedModel(Exception):
+    pass
+
+
+def check_supported(config) -> None:
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        raise UnsupportedModel(
+            f"model type {kind!r} is not supported by probity's engine (supported: {', '.join(SUPPORTED)}); "
+            "refusing to serve it rather than serve it wrongly")
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        raise UnsupportedModel(f"rope type {rope!r} is not supported (its angles depend on the sequence length)")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"activation {config.hidden_act!r} is not supported")
+    if getattr(config, "use_sliding_window", False) and "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise UnsupportedModel("sliding-window attention layers are not supported")
+
+
+class Linear:
+    """y = x W^T + b through oneDNN with W prepacked once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features = weight.shape[0]
+        self.w = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+        self.b = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n < MIN_ROWS:
+            x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+        return y[:n] if n < MIN_ROWS else y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(var + eps))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+@dataclass
+class Layer:
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    ln_in: torch.Tensor
+    ln_post: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+@dataclass
+class AttnGroup:
+    """Sequences whose query rows are attended together: `rows` query rows each (1 for decode),
+    starting at `starts` in the step's rows, at positions `qpos` [items, rows], reading the
+    blocks `tables` [items, blocks] (padded with the zero block)."""
+    starts: list[int]
+    rows: int
+    qpos: torch.Tensor
+    tables: torch.Tensor
+
+
+class Model:
+    def __init__(self, hf_model, num_blocks: int, block_size: int):
+        cfg = hf_model.config
+        check_supported(cfg)
+        self.cfg = cfg
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.group = self.n_heads // self.n_kv
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        inner = hf_model.model
+        self.embed = inner.embed_tokens.weight.detach().float()
+        rot = inner.rotary_emb
+        self.inv_freq = rot.inv_freq.detach().float()
+        self.rope_scaling = float(rot.attention_scaling)
+        self.norm = inner.norm.weight.detach().float()
+        self.head = Linear(hf_model.get_output_embeddings().weight)
+        self.vocab_size = self.head.out_features
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            cat_bias = None
+            if a.q_proj.bias is not None:
+                cat_bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            self.layers.append(Layer(
+                qkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), cat_bias),
+                o=Linear(a.o_proj.weight, a.o_proj.bias),
+                gate_up=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                down=Linear(m.down_proj.weight),
+                ln_in=layer.input_layernorm.weight.detach().float(),
+                ln_post=layer.post_attention_layernorm.weight.detach().float(),
+                q_norm=a.q_norm.weight.detach().float() if hasattr(a, "q_norm") else None,
+                k_norm=a.k_norm.weight.detach().float() if hasattr(a, "k_norm") else None,
+            ))
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        L, kv, hd = len(self.layers), self.n_kv, self.head_dim
+        # Block 0 is the zero block that pads block tables; it is never written. V carries a
+        # column of ones, so the softmax denominator comes out of the values' own GEMM.
+        self.k_pool = torch.zeros(L, num_blocks, block_size, kv, hd)
+        self.v_pool = torch.zeros(L, num_blocks, block_size, kv, hd + 1)
+        self.v_pool[..., hd] = 1.0
+
+    @staticmethod
+    def bytes_per_token(cfg) -> int:
+        n_heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        return cfg.num_hidden_layers * kv * (2 * hd + 1) * 4
+
+    # ------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                groups: list[AttnGroup]) -> torch.Tensor:
+        """Run the step's rows (all sequences' new tokens), writing their K/V into the pool at
+        `slots`; returns the final hidden states [rows, hidden] (before the head)."""
+        T = tokens.shape[0]
+        h = self.embed[tokens]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling)[:, None, :]
+        sin = (emb.sin() * self.rope_scaling)[:, None, :]
+        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
+        for li, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.ln_in, self.eps)
+            qkv = layer.qkv(x)
+            q = qkv[:, : H * hd].reshape(T, H, hd)
+            k = qkv[:, H * hd: (H + KV) * hd].reshape(T, KV, hd)
+            v = qkv[:, (H + KV) * hd:].reshape(T, KV, hd)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, self.eps)
+                k = rms_norm(k, layer.k_norm, self.eps)
+            q = rotate(q, cos, sin)
+            k = rotate(k, cos, sin)
+            kp = self.k_pool[li].view(-1, KV, hd)
+            vp = self.v_pool[li].view(-1, KV, hd + 1)
+            kp[slots] = k
+            vp[slots, :, :hd] = v
+            attn = torch.empty(T, H, hd)
+            for g in groups:
+                self._attend(li, q, g, attn)
+            h = h + layer.o(attn.reshape(T, H * hd))
+            x = rms_norm(h, layer.ln_post, self.eps)
+            gu = layer.gate_up(x)
+            inter = gu.shape[1] // 2
+            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        return rms_norm(h, self.norm, self.eps)
+
+    def _attend(self, li: int, q: torch.Tensor, g: AttnGroup, out: torch.Tensor) -> None:
+        H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group
+        items, n = len(g.starts), g.rows
+        idx = (torch.tensor(g.starts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
+        # queries [items, KV, G*n, hd], scaled before the GEMM
+        qs = (q[idx] * self.scale).reshape(items, n, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(items, KV, G * n, hd)
+        nb = g.tables.shape[1]
+        L = nb * self.block_size
+        keys = self.k_pool[li][g.tables].reshape(items, L, KV, hd).permute(0, 2, 3, 1)      # [items, KV, hd, L]
+        vals = self.v_pool[li][g.tables].reshape(items, L, KV, hd + 1).permute(0, 2, 1, 3)  # [items, KV, L, hd+1]
+        if G * n < MIN_ROWS:
+            qs = torch.cat([qs, qs.new_zeros(items, KV, MIN_ROWS - G * n, hd)], dim=2)
+        s = torch.matmul(qs, keys)[:, :, : G * n]                                            # [items, KV, G*n, L]
+        masked = torch.arange(L)[None, None, :] > g.qpos[:, :, None]                          # [items, n, L]
+        s = s.reshape(items, KV, G, n, L).masked_fill(masked[:, None, None], float("-inf"))
+        e = torch.exp(s - s.amax(-1, keepdim=True)).reshape(items, KV, G * n, L)
+        if G * n < MIN_ROWS:
+            e = torch.cat([e, e.new_zeros(items, KV, MIN_ROWS - G * n, L)], dim=2)
+        o = torch.matmul(e, vals)[:, :, : G * n]                                              # [items, KV, G*n, hd+1]
+        o = (o[..., :hd] / o[..., hd:]).reshape(items, KV, G, n, hd).permute(0, 3, 1, 2, 4).reshape(items * n, H, hd)
+        out[idx] = o
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
