@@ -239,7 +239,7 @@ _kind("STATS", "engine", 64 * KiB, Obj({}, {
     "active": Int(), "waiting": Int(), "tokens_per_s": Num(), "steps": Int(),
     # cumulative since the engine started
     "forward_passes": Int(), "prompt_tokens_computed": Int(), "generated_tokens": Int(),
-    "prefix_query_tokens": Int(), "prefix_hit_tokens": Int(),
+    "prefix_query_tokens": Int(), "prefix_hit_tokens": Int(), "preemptions": Int(),
     # now
     "kv_blocks_used": Int(), "kv_blocks_total": Int(),
 }))

@@ -65,6 +65,7 @@ class Engine:
                  threads: int | None = None, step_tokens: int = 512, kv_cache_gib: float = 2.0):
         self.loaded = loaded
         self.runner = ModelRunner(loaded.model, threads, kv_cache_gib)
+        loaded.model = None  # the runner holds its own (prepacked) weights; free transformers' copy
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
         self.scheduler = Scheduler(self.runner.pool, max_running, step_tokens)
         self.requests: dict[int, Request] = {}
@@ -131,7 +132,7 @@ class Engine:
             "active": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "tokens_per_s": self.tokens_since_stats / max(now - self.last_stats, 1e-6), "steps": self.steps,
             "forward_passes": self.forward_passes, "prompt_tokens_computed": self.prompt_tokens_computed,
-            "generated_tokens": self.generated_tokens,
+            "generated_tokens": self.generated_tokens, "preemptions": self.scheduler.preemptions,
             "kv_blocks_used": self.runner.pool.used, "kv_blocks_total": self.runner.pool.num_blocks - 1})
         self.tokens_since_stats = 0
         self.last_stats = now

@@ -61,19 +61,23 @@ def sample(logits: torch.Tensor, seq: Sequence) -> int:
     if s.temperature == 0.0:
         return int(torch.argmax(x))  # first maximum: the lowest id among ties
     x = x / s.temperature
-    sorted_x, order = torch.sort(x, descending=True, stable=True)
-    if s.top_k and s.top_k < sorted_x.numel():
-        sorted_x, order = sorted_x[: s.top_k], order[: s.top_k]
+    if s.top_p == 1.0 and not (s.top_k and s.top_k < x.numel()):
+        # no truncation: draw in token-id order, no sort of the vocabulary needed
+        sorted_x, order = x, None
+    else:
+        sorted_x, order = torch.sort(x, descending=True, stable=True)
+        if s.top_k and s.top_k < sorted_x.numel():
+            sorted_x, order = sorted_x[: s.top_k], order[: s.top_k]
     probs = torch.softmax(sorted_x.double(), dim=-1)
     if s.top_p < 1.0:
-        cum = torch.cumsum(probs, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)  # sorted most likely first here
         keep = int(torch.searchsorted(cum, torch.tensor([s.top_p], dtype=cum.dtype)).item()) + 1
         probs = probs[:keep]
         order = order[:keep]
     cum = torch.cumsum(probs, dim=-1)
     u = torch.rand((), generator=seq.generator, dtype=torch.float64) * cum[-1]
     pick = min(int(torch.searchsorted(cum, u.reshape(1), right=True).item()), cum.numel() - 1)
-    return int(order[pick])
+    return pick if order is None else int(order[pick])
 
 
 def new_generator(seed: int | None, choice: int) -> torch.Generator:

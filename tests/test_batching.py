@@ -1,0 +1,124 @@
+"""The batched engine through the live server: numbers do not depend on what else runs, on how
+prompts are chunked, on preemption, or on whether a position was prefilled or decoded.
+Floats arrive as JSON with round-trip precision, so `==` here compares the engine's float32
+bits."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+from conftest import TINY_ID, LiveServer
+from test_completions import ok
+
+EOS_ID = "2"  # <|im_end|> in the tiny tokenizer
+NO_EOS = {EOS_ID: -100}  # reported values are raw: the bias only keeps sequences long
+
+
+def gen(server, prompt, **kw) -> dict:
+    body = {"model": TINY_ID, "prompt": prompt, "max_tokens": 40, "logprobs": 5, "seed": 11,
+            "temperature": 0.9, "logit_bias": NO_EOS, **kw}
+    return ok(server, **body)["choices"]
+
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of France. " * 3, "日本語のテキスト",
+           "def f(x):\n    return x * 2\n" * 2, "Numbers 0 1 2 3 4 5 6 7 8 9 10", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_server):
+    """Each prompt's seeded generation and echo, sent alone and one at a time."""
+    return {p: (gen(tiny_server, p), gen(tiny_server, p, echo=True, max_tokens=0)) for p in PROMPTS}
+
+
+def run_concurrently(server) -> dict:
+    jobs = [(p, {}) for p in PROMPTS] + [(p, {"echo": True, "max_tokens": 0}) for p in PROMPTS]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        futs = [pool.submit(gen, server, p, **kw) for p, kw in jobs]
+        res = [f.result() for f in futs]
+    return {p: (res[i], res[i + len(PROMPTS)]) for i, p in enumerate(PROMPTS)}
+
+
+def test_concurrent_requests_equal_each_alone(tiny_server, alone):
+    assert run_concurrently(tiny_server) == alone
+
+
+def test_tiny_prompt_chunks_change_nothing(tiny_model_dir, alone):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--step-tokens", "3"])
+    try:
+        assert run_concurrently(s) == alone
+    finally:
+        s.stop()
+
+
+def test_pool_far_too_small_preempts_and_recomputes_identically(tiny_model_dir, alone):
+    # 24 blocks of 16 tokens: room for one full context (256) but not for the concurrent load
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-gib", "0.000189"])
+    try:
+        long = {p: gen(s, p, max_tokens=120) for p in PROMPTS[:1]}
+        with cf.ThreadPoolExecutor(6) as pool:
+            futs = {p: pool.submit(gen, s, p, max_tokens=120) for p in PROMPTS}
+            got = {p: f.result() for p, f in futs.items()}
+        assert got[PROMPTS[0]] == long[PROMPTS[0]]
+        assert run_concurrently(s) == alone
+        stats = s.get("/health").json()["engine"]["stats"]
+        assert stats["preemptions"] > 0, stats
+        assert stats["kv_blocks_total"] == 24  # int(0.000189 GiB / 8448 B per block)
+    finally:
+        s.stop()
+
+
+def test_n_choices_with_echo_report_identical_numbers(tiny_server):
+    r = ok(tiny_server, model=TINY_ID, prompt="The capital of France is", max_tokens=6, n=3, echo=True,
+           logprobs=3, temperature=0, logit_bias=NO_EOS)
+    lps = [c["logprobs"] for c in r["choices"]]
+    assert lps[0] == lps[1] == lps[2]
+
+
+def test_generated_text_rescored_with_echo_returns_identical_floats(tiny_server):
+    prompt = tiny_server.post("/tokenize", json={"model": TINY_ID, "prompt": "Hello, world! Hello"}).json()["tokens"]
+    g = ok(tiny_server, model=TINY_ID, prompt=prompt, max_tokens=30, logprobs=4, seed=3, temperature=1.0,
+           logit_bias=NO_EOS, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    ids = [int(t.split(":")[1]) for t in g["tokens"]]
+    e = ok(tiny_server, model=TINY_ID, prompt=prompt + ids, max_tokens=0, echo=True, logprobs=4,
+           return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    n = len(prompt)
+    assert e["tokens"][n:] == g["tokens"]
+    assert e["token_logprobs"][n:] == g["token_logprobs"]
+    assert e["top_logprobs"][n:] == g["top_logprobs"]
+
+
+def test_prompt_array_members_equal_alone_at_any_position(tiny_server):
+    members = PROMPTS[:4]
+    solo = [ok(tiny_server, model=TINY_ID, prompt=p, max_tokens=0, echo=True, logprobs=2)["choices"][0]
+            for p in members]
+    for order in (members, members[::-1]):
+        r = ok(tiny_server, model=TINY_ID, prompt=order, max_tokens=0, echo=True, logprobs=2)["choices"]
+        by_prompt = {m: c for m, c in zip(order, r)}
+        assert [by_prompt[m]["logprobs"] for m in members] == [c["logprobs"] for c in solo]
+
+
+@pytest.mark.default_model
+def test_long_echo_request_peak_memory_is_bounded(default_server):
+    """An ~8,000-token echo request with 32 alternatives: the engine's peak resident memory
+    rises by less than 1 GiB over its resting size (the head and log-softmax run in bounded
+    chunks of rows; the KV pool is preallocated)."""
+    pid = default_server.engine_pid()
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    rest = _status_kib(pid, "VmRSS")
+    text = "The quick brown fox jumps over the lazy dog. " * 800
+    r = default_server.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": text,
+                            "max_tokens": 0, "echo": True, "logprobs": 32}, timeout=900)
+    assert r.status_code == 200, r.text
+    r = r.json()
+    assert len(r["choices"][0]["logprobs"]["tokens"]) > 7000
+    peak = _status_kib(pid, "VmHWM")
+    assert peak - rest < 1024 * 1024, (rest, peak)
+
+
+def _status_kib(pid: int, key: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
