@@ -448,3 +448,41 @@ def test_nothing_is_left_in_flight_after_the_sweep(tiny_server):
     h = tiny_server.get("/health").json()
     assert h["status"] == "ok" and h["active"] == 0 and h["queued"] == 0
     assert h["engine"]["in_flight"] == 0 and h["engine"]["abandoned"] == 0
+
+
+# ------------------------------------------------------------------ what a sweep of small values cannot reach
+
+def _raw(client, path: str, text: str):
+    return client.post(path, content=text.encode(), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+def test_a_number_beyond_float_range_is_out_of_range_not_a_server_error(client, field):
+    for literal in ("1" + "0" * 400, "-1" + "0" * 400, "1e400"):   # math.isfinite(10**400) raises
+        r = _raw(client, "/v1/completions", f'{{"model": "{TINY_ID}", "prompt": "Hi", "max_tokens": 1, '
+                                            f'"{field}": {literal}}}')
+        assert r.status_code == 400, (literal, r.text)
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value", field)
+    r = _raw(client, "/v1/completions", f'{{"model": "{TINY_ID}", "prompt": "Hi", "max_tokens": 1, '
+                                        f'"logit_bias": {{"1": 1{"0" * 400}}}}}')
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (400, "invalid_value",
+                                                                                   "logit_bias.1")
+
+
+def test_logit_bias_keys_that_name_one_token_twice_are_refused(client):
+    body = {"model": TINY_ID, "prompt": "Hi", "max_tokens": 1}
+    r = client.post("/v1/completions", json={**body, "logit_bias": {"1": 100, "01": -100}})
+    assert r.status_code == 400 and (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value",
+                                                                                             "logit_bias")
+    for key in ("01", "0" * 5000 + "1"):   # token 1, however written
+        assert client.post("/v1/completions", json={**body, "logit_bias": {key: 5}}).status_code == 200
+    for key in ("9" * 5000, "1.0", "-1", "", "x"):   # int() refuses > 4300 digits: not a 500 either
+        r = client.post("/v1/completions", json={**body, "logit_bias": {key: 1}})
+        assert r.status_code == 400, (key[:10], r.text)
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("token_out_of_vocabulary", "logit_bias")
+
+
+def test_response_format_takes_only_the_type_key(client):
+    r = client.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text", "strict": True}})
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (400, "unknown_parameter",
+                                                                                   "response_format.strict")
