@@ -133,6 +133,7 @@ class Case:
     edges: tuple = ()                     # (label, value or fn(Model)) just out of range
     anthropic: bool = False
     sweep: bool = True                    # False: only the edges are sent
+    shows: Callable[[Any, Any], bool] | None = None   # (value, answer body) -> the 200 does what was asked
 
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -176,7 +177,7 @@ def sampling(endpoint: str, base: dict) -> list[Case]:
         # type-checked first; an object is only allowed with stream: true
         Case(endpoint, base, ("stream_options",), lambda v, m: OK if v is None else V if type(v) is dict else T),
         Case(endpoint, {**base, "stream": True, "stream_options": {}}, ("stream_options", "include_usage"),
-             boolean()),
+             boolean(), shows=lambda v, text: ('"choices":[],"usage":' in text) == (v is True)),
         Case(endpoint, base, ("user",), string()),
         Case(endpoint, base, ("zz_unknown",), unknown),
     ]
@@ -247,8 +248,9 @@ def completions() -> list[Case]:
              edges=(("prompt + max_tokens > window", lambda m: m.ctx),)),
         Case(e, {**CMPL, "echo": True}, ("max_tokens",), integer(0, 1 << 24)),
         *sampling(e, CMPL),
-        Case(e, CMPL, ("logprobs",), logprobs, edges=int_edges(0, 32)),
-        Case(e, CMPL, ("echo",), boolean(null=T)),
+        Case(e, CMPL, ("logprobs",), logprobs, edges=int_edges(0, 32),
+             shows=lambda v, a: (a["choices"][0]["logprobs"] is None) == (v is None or v is False or v == 0)),
+        Case(e, CMPL, ("echo",), boolean(null=T), shows=lambda v, a: a["choices"][0]["text"].startswith("Hi") or not v),
         Case(e, CMPL, ("return_tokens_as_token_ids",), boolean()),
         Case(e, CMPL, ("group_score",), lambda v, m: OK if v is None or v is False else UNSUPPORTED),
         Case(e, CMPL, ("best_of",), refused),
@@ -280,9 +282,11 @@ def chat() -> list[Case]:
         Case(e, CHAT, ("max_tokens",), lambda v, m: "context_length_exceeded", param="messages", sweep=False,
              edges=(("prompt + max_tokens > window", lambda m: m.ctx),)),
         *sampling(e, CHAT),
-        Case(e, CHAT, ("logprobs",), boolean()),
+        Case(e, CHAT, ("logprobs",), boolean(),
+             shows=lambda v, a: (a["choices"][0]["logprobs"] is None) == (v is not True)),
         Case(e, CHAT, ("top_logprobs",), top_logprobs, edges=int_edges(0, 32)),
-        Case(e, {**CHAT, "logprobs": True}, ("top_logprobs",), integer(0, 32), edges=int_edges(0, 32)),
+        Case(e, {**CHAT, "logprobs": True}, ("top_logprobs",), integer(0, 32), edges=int_edges(0, 32),
+             shows=lambda v, a: len(a["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == (v or 0)),
         Case(e, CHAT, ("response_format",), lambda v, m: (MISSING, "response_format.type") if v == {}
              else obj()(v, m)),
         Case(e, {**CHAT, "response_format": {"type": "text"}}, ("response_format", "type"), response_format_type),
@@ -355,7 +359,8 @@ def tokenizer() -> list[Case]:
              lambda v, m: UNSUPPORTED if v is False else boolean()(v, m)),
         Case("/tokenize", TOK_P, ("zz_unknown",), unknown),
         Case("/detokenize", DETOK, ("model",), model_field(required=False)),
-        Case("/detokenize", DETOK, ("tokens",), lambda v, m: MISSING if v is None else OK if v == [] else T),
+        Case("/detokenize", DETOK, ("tokens",), lambda v, m: MISSING if v is None else OK if v == [] else T,
+             shows=lambda v, a: a == {"prompt": ""}),
         Case("/detokenize", DETOK, ("tokens", 0), tokens_member, param="tokens",
              edges=(("-1", -1), ("vocab_size", vocab))),
         Case("/detokenize", DETOK, ("zz_unknown",), unknown),
@@ -402,14 +407,16 @@ def model(tiny_server) -> Model:
     return Model(vocab=info["vocab_size"], ctx=info["max_model_len"])
 
 
-def _answer(r, case: Case, expected_code: str, param: str) -> str | None:
+def _answer(r, case: Case, value: Any, expected_code: str, param: str) -> str | None:
     """None when the response matches the documented outcome, else what is wrong."""
     if expected_code == OK:
         if r.status_code != 200:
             return f"expected 200, got {r.status_code} {r.text[:200]}"
-        if r.headers["content-type"].startswith("text/event-stream"):
-            done = "event: message_stop" if case.anthropic else "data: [DONE]"
-            return None if done in r.text else f"stream did not finish: {r.text[-200:]}"
+        stream = r.headers["content-type"].startswith("text/event-stream")
+        if stream and ("event: message_stop" if case.anthropic else "data: [DONE]") not in r.text:
+            return f"stream did not finish: {r.text[-200:]}"
+        if case.shows and not case.shows(value, r.text if stream else r.json()):
+            return f"200 does not do what was asked: {r.text[:300]}"
         return None
     status, openai_type, anthropic_type = ERRORS[expected_code]
     got = f"{r.status_code} {r.text[:300]}"
@@ -438,7 +445,7 @@ def test_every_json_type_gets_the_documented_answer(client, model, case: Case):
         expected = case.rule(v, model)
         code, param = expected if type(expected) is tuple else (expected, case.param or _path(case.field))
         r = client.post(case.endpoint, json=_with(case.base, case.field, v))
-        problem = _answer(r, case, code, param)
+        problem = _answer(r, case, v, code, param)
         if problem:
             wrong.append(f"{param} = {label}: {problem}")
     assert not wrong, "\n".join(wrong)

@@ -30,7 +30,8 @@ async def tokenize(svc, request, body: dict) -> dict:
         add_special = _bool(body, "add_special_tokens", True)
     else:
         if not generation_prompt:
-            raise APIError("unsupported_value", "only add_generation_prompt: true is supported", "add_generation_prompt")
+            raise APIError("unsupported_value", "only add_generation_prompt: true is supported",
+                           "add_generation_prompt")
         member = {"messages": parse_messages(body["messages"])}
         add_special = _bool(body, "add_special_tokens", False)
         if add_special:

@@ -446,7 +446,8 @@ def text_content(c: Any, where: str, part_keys: tuple[str, ...] = ()) -> str:
         if type(t) is not str:
             raise _type(f"{pw}.type", "a string")
         if t != "text":
-            raise APIError("unsupported_value", f"'{pw}.type' {t!r} is not supported; only text parts are", f"{pw}.type")
+            raise APIError("unsupported_value", f"'{pw}.type' {t!r} is not supported; only text parts are",
+                           f"{pw}.type")
         for k in part:
             if k not in ("type", "text", *part_keys):
                 raise APIError("unsupported_parameter", f"'{pw}.{k}' is not supported", f"{pw}.{k}")
