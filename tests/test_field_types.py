@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -117,10 +116,6 @@ def _at(bound, m: Model) -> int:
 
 def vocab(m):
     return m.vocab
-
-
-def vocab_len(m):
-    return m.vocab - 1
 
 
 @dataclass
