@@ -172,7 +172,7 @@ def sampling(endpoint: str, base: dict) -> list[Case]:
         # type-checked first; an object is only allowed with stream: true
         Case(endpoint, base, ("stream_options",), lambda v, m: OK if v is None else V if type(v) is dict else T),
         Case(endpoint, {**base, "stream": True, "stream_options": {}}, ("stream_options", "include_usage"),
-             boolean(), shows=lambda v, text: ('"choices":[],"usage":' in text) == (v is True)),
+             boolean(), shows=lambda v, text: ('"choices":[],"usage":{' in text) == (v is True)),
         Case(endpoint, base, ("user",), string()),
         Case(endpoint, base, ("zz_unknown",), unknown),
     ]
@@ -341,9 +341,8 @@ def tokenizer() -> list[Case]:
         Case("/tokenize", TOK_P, ("model",), model_field(required=False)),
         Case("/tokenize", TOK_P, ("prompt",), lambda v, m: MISSING if v is None else OK if type(v) is str else T),
         Case("/tokenize", TOK_P, ("add_special_tokens",), boolean()),
-        # no chat template is rendered for a raw prompt, so no generation prompt can be added
-        Case("/tokenize", TOK_P, ("add_generation_prompt",),
-             lambda v, m: UNSUPPORTED if v is True else boolean()(v, m)),
+        # a boolean, and one that applies to messages only: no template is rendered for a raw prompt
+        Case("/tokenize", TOK_P, ("add_generation_prompt",), lambda v, m: V if type(v) is bool else boolean()(v, m)),
         Case("/tokenize", TOK_P, ("messages",), lambda v, m: OK if v is None else V, param="prompt"),
         *[c for c in message_cases("/tokenize", TOK_M, ("system", "developer", "user", "assistant"))
           if c.field != ("messages",)],

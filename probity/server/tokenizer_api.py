@@ -19,19 +19,18 @@ async def tokenize(svc, request, body: dict) -> dict:
         raise APIError("invalid_value", "give exactly one of 'prompt' or 'messages', not both", "prompt")
     if not has_prompt and not has_messages:
         raise APIError("missing_required_parameter", "give exactly one of 'prompt' or 'messages'", "prompt")
-    generation_prompt = _bool(body, "add_generation_prompt", has_messages)
+    generation_prompt = _bool(body, "add_generation_prompt", True)
     if has_prompt:
         if type(body["prompt"]) is not str:
             raise _type("prompt", "a string")
-        if generation_prompt:
-            raise APIError("unsupported_value", "a prompt string is not rendered by the chat template; "
-                           "add_generation_prompt applies to messages only", "add_generation_prompt")
+        if body.get("add_generation_prompt") is not None:
+            raise APIError("invalid_value", "'add_generation_prompt' applies to 'messages' only",
+                           "add_generation_prompt")
         member = {"text": body["prompt"]}
         add_special = _bool(body, "add_special_tokens", True)
     else:
         if not generation_prompt:
-            raise APIError("unsupported_value", "only add_generation_prompt: true is supported",
-                           "add_generation_prompt")
+            raise APIError("unsupported_value", "only add_generation_prompt: true is supported", "add_generation_prompt")
         member = {"messages": parse_messages(body["messages"])}
         add_special = _bool(body, "add_special_tokens", False)
         if add_special:

@@ -131,12 +131,13 @@ def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int
     return v
 
 
-def _bool(body: dict, key: str, default: bool, param: str | None = None) -> bool:
-    v = body.get(key)
-    if v is None:
+def _bool(body: dict, key: str, default: bool, nullable: bool = True, where: str = "") -> bool:
+    """`where` prefixes the param of a nested field (`stream_options.`)."""
+    v = body.get(key, default)
+    if v is None and nullable:
         return default
     if type(v) is not bool:
-        raise _type(param or key, "a boolean")
+        raise _type(where + key, "a boolean")
     return v
 
 
@@ -223,7 +224,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     for k in opts:
         if k != "include_usage":
             raise APIError("unknown_parameter", f"unknown parameter 'stream_options.{k}'", f"stream_options.{k}")
-    return stream, _bool(opts, "include_usage", False, "stream_options.include_usage")
+    return stream, _bool(opts, "include_usage", False, where="stream_options.")
 
 
 # ------------------------------------------------------------------ completions
@@ -402,7 +403,7 @@ def _response_format(rf: Any) -> None:
 def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "messages",
                    part_keys: tuple[str, ...] = ()) -> list[dict]:
     if v is None:
-        raise _missing(param)
+        raise APIError("missing_required_parameter", f"'{param}' is required", param)
     if type(v) is not list:
         raise _type(param, "an array of messages")
     if not v:
@@ -415,9 +416,10 @@ def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "message
         for k in m:
             if k not in ("role", "content"):
                 raise APIError("unsupported_parameter", f"'{where}.{k}' is not supported", f"{where}.{k}")
-        role = m.get("role")
-        if role is None:
-            raise _missing(f"{where}.role")
+        for k in ("role", "content"):
+            if m.get(k) is None:
+                raise APIError("missing_required_parameter", f"'{where}.{k}' is required", f"{where}.{k}")
+        role = m["role"]
         if role not in roles:
             code = "invalid_type" if type(role) is not str else "unsupported_value"
             raise APIError(code, f"'{where}.role' must be one of {', '.join(roles)}", f"{where}.role")
@@ -429,8 +431,6 @@ def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "message
 def text_content(c: Any, where: str, part_keys: tuple[str, ...] = ()) -> str:
     """A string, or an array of text parts {type: "text", text}; parts are joined.
     `part_keys` are further keys accepted in a part as documented no-ops."""
-    if c is None:
-        raise _missing(where)
     if type(c) is str:
         return c
     if type(c) is not list:
