@@ -71,7 +71,7 @@ def test_chat_logprobs_without_top(tiny_server):
     ({"top_logprobs": 1.0, "logprobs": True}, "top_logprobs"),
     ({"echo": True}, "echo"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}}, "response_format.type"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type"),

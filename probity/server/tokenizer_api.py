@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .errors import APIError
-from .validation import _bool, _check_keys, _token_ids, _type, parse_messages
+from .validation import _bool, _check_keys, _model, _token_ids, _type, parse_messages
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
@@ -12,18 +12,24 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 async def tokenize(svc, request, body: dict) -> dict:
     info = svc.ready_info()
     _check_keys(body, TOKENIZE_FIELDS, {})
-    if body.get("model") is not None and body["model"] != info["model"]["id"]:
-        raise APIError("model_not_found", f"model '{body['model']}' is not served here", "model")
+    if body.get("model") is not None:  # optional here, but a string that names the served model
+        _model(body, info["model"]["id"])
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
-    if has_prompt == has_messages:
+    if has_prompt and has_messages:
+        raise APIError("invalid_value", "give exactly one of 'prompt' or 'messages', not both", "prompt")
+    if not has_prompt and not has_messages:
         raise APIError("missing_required_parameter", "give exactly one of 'prompt' or 'messages'", "prompt")
+    generation_prompt = _bool(body, "add_generation_prompt", True)
     if has_prompt:
         if type(body["prompt"]) is not str:
             raise _type("prompt", "a string")
+        if body.get("add_generation_prompt") is not None:
+            raise APIError("invalid_value", "'add_generation_prompt' applies to 'messages' only",
+                           "add_generation_prompt")
         member = {"text": body["prompt"]}
         add_special = _bool(body, "add_special_tokens", True)
     else:
-        if body.get("add_generation_prompt", True) is not True:
+        if not generation_prompt:
             raise APIError("unsupported_value", "only add_generation_prompt: true is supported", "add_generation_prompt")
         member = {"messages": parse_messages(body["messages"])}
         add_special = _bool(body, "add_special_tokens", False)
@@ -37,8 +43,8 @@ async def tokenize(svc, request, body: dict) -> dict:
 async def detokenize(svc, request, body: dict) -> dict:
     info = svc.ready_info()
     _check_keys(body, DETOKENIZE_FIELDS, {})
-    if body.get("model") is not None and body["model"] != info["model"]["id"]:
-        raise APIError("model_not_found", f"model '{body['model']}' is not served here", "model")
+    if body.get("model") is not None:
+        _model(body, info["model"]["id"])
     tokens = body.get("tokens")
     if tokens is None:
         raise APIError("missing_required_parameter", "'tokens' is required", "tokens")

@@ -2,7 +2,6 @@
 the result. Every accepted field is listed in docs/api.md with its range."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +82,10 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
+    # No isfinite(): it overflows (a 500) on a JSON integer beyond float range. JSON has no
+    # NaN or Infinity (read_json refuses them), so the range checks that follow compare
+    # exactly, 400-digit integers and the inf that 1e400 parses to included.
+    return type(v) in (int, float)
 
 
 def _type(param: str, what: str) -> APIError:
@@ -92,6 +94,10 @@ def _type(param: str, what: str) -> APIError:
 
 def _value(param: str, what: str) -> APIError:
     return APIError("invalid_value", f"'{param}' must be {what}", param)
+
+
+def _missing(param: str) -> APIError:
+    return APIError("missing_required_parameter", f"'{param}' is required", param)
 
 
 def _check_keys(body: dict, allowed: set[str], refused: dict[str, str]) -> None:
@@ -125,12 +131,13 @@ def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int
     return v
 
 
-def _bool(body: dict, key: str, default: bool, nullable: bool = True) -> bool:
+def _bool(body: dict, key: str, default: bool, nullable: bool = True, where: str = "") -> bool:
+    """`where` prefixes the param of a nested field (`stream_options.`)."""
     v = body.get(key, default)
     if v is None and nullable:
         return default
     if type(v) is not bool:
-        raise _type(key, "a boolean")
+        raise _type(where + key, "a boolean")
     return v
 
 
@@ -150,7 +157,9 @@ def _stop(body: dict, key: str = "stop") -> list[str]:
     if v is None:
         return []
     if type(v) is str:
-        v = [v]
+        if not v:
+            raise _value(key, "a non-empty string")
+        return [v]
     if type(v) is not list:
         raise _type(key, "a string or an array of strings")
     if len(v) > MAX_STOP:
@@ -173,14 +182,18 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[str, float]:
         raise _value("logit_bias", "at most 1024 entries")
     out = {}
     for k, b in v.items():
-        p = f"logit_bias[{k!r}]"
-        if not (k.isascii() and k.isdigit()) or int(k) >= vocab_size:
+        digits = k.lstrip("0") or "0"
+        # The length test keeps int() away from keys beyond its 4300-digit limit (a 500).
+        if not (k.isascii() and k.isdigit()) or len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
             raise APIError("token_out_of_vocabulary", f"logit_bias key {k!r} is not a token id below {vocab_size}", "logit_bias")
-        if not _is_num(b) or type(b) is bool:
+        if digits in out:  # "1" and "01" name one token: never let one bias silently replace the other
+            raise APIError("invalid_value", f"logit_bias names token {digits} twice", "logit_bias")
+        p = f"logit_bias.{k}"
+        if not _is_num(b):
             raise _type(p, "a number")
         if not -100 <= b <= 100:
             raise _value(p, "in [-100, 100]")
-        out[str(int(k))] = float(b)
+        out[digits] = float(b)
     return out
 
 
@@ -204,14 +217,14 @@ def _stream(body: dict) -> tuple[bool, bool]:
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
+    if type(opts) is not dict:  # the type first, as for every field, then the consistency
+        raise _type("stream_options", "an object")
     if not stream:
         raise APIError("invalid_value", "'stream_options' is only allowed with stream: true", "stream_options")
-    if type(opts) is not dict:
-        raise _type("stream_options", "an object")
     for k in opts:
         if k != "include_usage":
             raise APIError("unknown_parameter", f"unknown parameter 'stream_options.{k}'", f"stream_options.{k}")
-    return stream, _bool(opts, "include_usage", False)
+    return stream, _bool(opts, "include_usage", False, where="stream_options.")
 
 
 # ------------------------------------------------------------------ completions
@@ -347,9 +360,7 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> Chat
     _check_keys(body, CHAT_FIELDS, CHAT_REFUSED)
     model = _model(body, served)
     messages = parse_messages(body.get("messages"))
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise APIError("unsupported_value", "only response_format {\"type\": \"text\"} is supported", "response_format")
+    _response_format(body.get("response_format"))
     logprobs = _bool(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top is not None and not _is_int(top):
@@ -371,6 +382,24 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> Chat
                        top_logprobs=top or 0, stream=stream, include_usage=include_usage)
 
 
+def _response_format(rf: Any) -> None:
+    if rf is None:
+        return
+    if type(rf) is not dict:
+        raise _type("response_format", "an object")
+    t = rf.get("type")
+    if t is None:
+        raise _missing("response_format.type")
+    if type(t) is not str:
+        raise _type("response_format.type", "a string")
+    if t != "text":
+        raise APIError("unsupported_value", f"response_format type {t!r} is not supported; only \"text\" is",
+                       "response_format.type")
+    for k in rf:
+        if k != "type":
+            raise APIError("unknown_parameter", f"unknown parameter 'response_format.{k}'", f"response_format.{k}")
+
+
 def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "messages",
                    part_keys: tuple[str, ...] = ()) -> list[dict]:
     if v is None:
@@ -387,7 +416,10 @@ def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "message
         for k in m:
             if k not in ("role", "content"):
                 raise APIError("unsupported_parameter", f"'{where}.{k}' is not supported", f"{where}.{k}")
-        role = m.get("role")
+        for k in ("role", "content"):
+            if m.get(k) is None:
+                raise APIError("missing_required_parameter", f"'{where}.{k}' is required", f"{where}.{k}")
+        role = m["role"]
         if role not in roles:
             code = "invalid_type" if type(role) is not str else "unsupported_value"
             raise APIError(code, f"'{where}.role' must be one of {', '.join(roles)}", f"{where}.role")
@@ -408,13 +440,20 @@ def text_content(c: Any, where: str, part_keys: tuple[str, ...] = ()) -> str:
         pw = f"{where}[{j}]"
         if type(part) is not dict:
             raise _type(pw, "an object")
-        if part.get("type") != "text":
-            raise APIError("unsupported_value", f"'{pw}.type' {part.get('type')!r} is not supported; only text parts are",
+        t = part.get("type")
+        if t is None:
+            raise _missing(f"{pw}.type")
+        if type(t) is not str:
+            raise _type(f"{pw}.type", "a string")
+        if t != "text":
+            raise APIError("unsupported_value", f"'{pw}.type' {t!r} is not supported; only text parts are",
                            f"{pw}.type")
         for k in part:
             if k not in ("type", "text", *part_keys):
                 raise APIError("unsupported_parameter", f"'{pw}.{k}' is not supported", f"{pw}.{k}")
-        if type(part.get("text")) is not str:
+        if part.get("text") is None:
+            raise _missing(f"{pw}.text")
+        if type(part["text"]) is not str:
             raise _type(f"{pw}.text", "a string")
         texts.append(part["text"])
     return "".join(texts)
