@@ -12,6 +12,8 @@ LMEVAL_STAMP := $(LMEVAL)/.probity-setup
 setup: $(STAMP) $(LMEVAL_STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	# Debian's Chromium, for the inspector's browser test (Playwright drives it; no browser download)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from .admission import Admission
 from .engine_client import EngineClient
 from .errors import APIError
+from . import inspector
 from .generation import ClientGone
 from .metrics import CONTENT_TYPE, Metrics
 from .validation import Limits
@@ -143,6 +144,8 @@ def create_app(config: Config) -> FastAPI:
 
     from . import anthropic_api, openai_api, tokenizer_api
 
+    inspector.add_routes(app)
+
     from .validation import CHAT_FIELDS, COMPLETION_FIELDS
 
     routes = [
@@ -265,7 +268,7 @@ class Envelope:
             return await resp(scope, receive, send_with_id)
         key = self.svc.config.api_key
         # CORS preflights carry no credentials by design; the CORS layer answers them.
-        if key and path != "/health" and scope["method"] != "OPTIONS":
+        if key and path != "/health" and not inspector.is_public(path) and scope["method"] != "OPTIONS":
             given = headers.get("x-api-key")
             auth = headers.get("authorization", "")
             if given is None and auth.lower().startswith("bearer "):
