@@ -11,8 +11,8 @@ LMEVAL_STAMP := $(LMEVAL)/.probity-setup
 
 setup: $(STAMP) $(LMEVAL_STAMP)
 
+# Debian's Chromium is for the inspector's browser test (Playwright drives it; no browser download).
 $(STAMP): pyproject.toml Makefile
-	# Debian's Chromium, for the inspector's browser test (Playwright drives it; no browser download)
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip

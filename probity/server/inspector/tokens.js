@@ -130,7 +130,9 @@ export class Tooltip {
     if (chosen < 0) chosen = e.top.findIndex(([, lp]) => lp === e.lp);
     e.top.forEach(([label, lp], i) => {
       const tr = el("tr", i === chosen ? "chosen" : null);
-      tr.append(el("td", null, String(i + 1)), el("td", "label", quoted(label) + (i === chosen ? "  ◀ chosen" : "")), el("td", "lp", fmt.full(lp)), el("td", "p", fmt.full(Math.exp(lp))));
+      const cell = el("td", "label", quoted(label));
+      if (i === chosen) cell.append(" ", el("span", "mark", "chosen"));
+      tr.append(el("td", null, String(i + 1)), cell, el("td", "lp", fmt.full(lp)), el("td", "p", fmt.full(Math.exp(lp))));
       body.append(tr);
     });
     return t;
