@@ -98,6 +98,8 @@ def test_page_is_served_without_a_key_but_the_api_still_needs_one(server, page, 
     assert httpx.get(server.url + "/", headers={"Host": "evil.example"}).status_code == 400
     assert httpx.get(server.url + "/inspector/tokens.js", headers={"Host": "evil.example"}).status_code == 400
     assert server.post("/v1/completions", {"model": TINY_ID, "prompt": "x"}).status_code == 401
+    for path in ("/inspector/nothing.js", "/inspector/..%2Fv1%2Fmodels", "/inspect/../v1/models", "/metrics"):
+        assert httpx.get(server.url + path).status_code == 401, path  # only the page's own files are open
     # everything the page needs comes from probity itself: no other origin is contacted
     html = r.text + "".join(httpx.get(server.url + f"/inspector/{f}").text
                             for f in ("inspector.js", "api.js", "tokens.js", "inspector.css"))
@@ -215,6 +217,7 @@ def test_a_generated_end_of_sequence_is_a_special_chip(server, page, tmp_path):
     page.click("#tab-generate")
     page.fill("#gen-prompt", "Paris is")
     page.fill("#gen-max", "3")
+    page.fill("#gen-seed", "1")  # a fixed generation, so the added EOS is never a second one
     page.click("#gen-go")
     expect()(page.locator("#gen-status")).to_have_text(re.compile("^finished: stop"))
     special = page.locator("#generate-result .chip.special")

@@ -24,7 +24,7 @@ HEADERS = {
 
 
 def is_public(path: str) -> bool:
-    return path in PAGE_PATHS or path.startswith(ASSET_PREFIX)
+    return path in PAGE_PATHS or (path.startswith(ASSET_PREFIX) and path[len(ASSET_PREFIX):] in ASSETS)
 
 
 def _read(name: str) -> bytes:
