@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
 
 from ..errors import APIError
 
@@ -45,5 +45,7 @@ def add_routes(app) -> None:
         return Response(body, media_type=f"{media}; charset=utf-8", headers=HEADERS)
 
     for path in PAGE_PATHS:
-        app.add_api_route(path, index, methods=["GET"], include_in_schema=False)
-    app.add_api_route(ASSET_PREFIX + "{name}", asset, methods=["GET"], include_in_schema=False)
+        app.add_api_route(path, index, methods=["GET"], response_class=HTMLResponse,
+                          summary="The logprob inspector page (HTML; needs no key, its API calls do)")
+    app.add_api_route(ASSET_PREFIX + "{name}", asset, methods=["GET"], response_class=PlainTextResponse,
+                      summary="The inspector's script and style files: " + ", ".join(sorted(ASSETS)))
