@@ -3,6 +3,8 @@ no forged samples, exact counters."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -143,6 +145,30 @@ def test_metrics_count_exactly_what_was_sent(server):
         assert value(m, "probity_kv_cache_usage_perc") == stats["kv_blocks_used"] / stats["kv_blocks_total"]
     else:
         assert ("probity_kv_cache_usage_perc", ()) not in m
+
+
+def poll(fn, within: float = 60.0):
+    """fn() until it returns something truthy (the state reached), or fail after `within` s."""
+    deadline = time.monotonic() + within
+    while not (got := fn()):
+        assert time.monotonic() < deadline, "state not reached"
+        time.sleep(0.1)
+    return got
+
+
+def test_engine_counters_keep_counting_across_a_restart(server):
+    s = server
+    before = poll(lambda: (m := scrape(s)) and ("probity_engine_generated_tokens_total", ()) in m and m)
+    os.kill(s.engine_pid(), signal.SIGKILL)
+    poll(lambda: s.get("/health").json()["engine"]["restarts"] == 1 and s.get("/health").status_code == 200)
+    r = s.post("/v1/completions", {"model": TINY_ID, "prompt": "Again", "max_tokens": 5, "temperature": 0},
+               headers=KEY)
+    n = r.json()["usage"]["completion_tokens"]
+    want = value(before, "probity_engine_generated_tokens_total") + n
+    m = poll(lambda: (m := scrape(s)) and value(m, "probity_engine_generated_tokens_total") == want and m, 30)
+    assert value(m, "probity_engine_restarts_total") == 1 and value(m, "probity_engine_up") == 1
+    assert value(m, "probity_engine_forward_passes_total") > value(before, "probity_engine_forward_passes_total")
+    assert value(m, "probity_generation_tokens_total") == value(before, "probity_generation_tokens_total") + n
 
 
 def test_counters_stay_exact_past_a_million_and_across_engine_restarts():
