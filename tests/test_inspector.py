@@ -172,7 +172,10 @@ def test_scored_text_has_one_chip_per_token_with_the_apis_numbers(server, page, 
 
 def test_generation_streams_chips_that_match_the_api(server, page, tmp_path):
     use_key(page)
-    page.click("#tab-generate")
+    page.focus("#tab-score")
+    page.keyboard.press("ArrowRight")  # the tabs are keyboard operable too
+    expect()(page.locator("#panel-generate")).to_be_visible()
+    assert page.locator("#tab-generate").get_attribute("aria-selected") == "true"
     page.fill("#gen-prompt", "Paris is")
     page.fill("#gen-max", "8")
     page.fill("#gen-temp", "0")
