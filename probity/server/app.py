@@ -14,10 +14,10 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from . import inspector
 from .admission import Admission
 from .engine_client import EngineClient
 from .errors import APIError
-from . import inspector
 from .generation import ClientGone
 from .metrics import CONTENT_TYPE, Metrics
 from .validation import Limits
