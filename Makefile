@@ -11,7 +11,9 @@ LMEVAL_STAMP := $(LMEVAL)/.probity-setup
 
 setup: $(STAMP) $(LMEVAL_STAMP)
 
+# Debian's Chromium is for the inspector's browser test (Playwright drives it; no browser download).
 $(STAMP): pyproject.toml Makefile
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0

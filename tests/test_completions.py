@@ -284,7 +284,7 @@ def test_batch_prompt_token_budget_counts_real_tokens(tiny_model_dir):
         ok(s, prompt=[[5] * 60], max_tokens=1)  # a length-1 array is exempt
         before = s.get("/metrics").text
         err(s, prompt=["Hello world " * 6, "x"], max_tokens=1)
-        assert _metric(s.get("/metrics").text, "probity_completion_tokens_total") == _metric(before, "probity_completion_tokens_total")
+        assert _metric(s.get("/metrics").text, "probity_generation_tokens_total") == _metric(before, "probity_generation_tokens_total")
     finally:
         s.stop()
 
@@ -302,10 +302,10 @@ def test_batch_member_rejected_by_engine_is_named(tiny_server):
 
 
 def test_rejected_batch_does_no_engine_work(tiny_server):
-    before = _metric(tiny_server.get("/metrics").text, "probity_completion_tokens_total")
+    before = _metric(tiny_server.get("/metrics").text, "probity_generation_tokens_total")
     err(tiny_server, prompt=["Hello", "Hello " * 300], max_tokens=4)
     err(tiny_server, prompt=[[1, 2], [1, 10**6]], max_tokens=4)
-    assert _metric(tiny_server.get("/metrics").text, "probity_completion_tokens_total") == before
+    assert _metric(tiny_server.get("/metrics").text, "probity_generation_tokens_total") == before
 
 
 def test_stream_on_batch_is_named(tiny_server):

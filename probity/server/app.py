@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
+from . import inspector
 from .admission import Admission
 from .engine_client import EngineClient
 from .errors import APIError
 from .generation import ClientGone
-from .metrics import Metrics
+from .metrics import CONTENT_TYPE, Metrics
 from .validation import Limits
 
 log = logging.getLogger("probity.server")
@@ -48,22 +49,19 @@ class Service:
     def __init__(self, config: Config):
         self.config = config
         self.limits = config.limits
-        self.metrics = Metrics()
         self.engine = EngineClient(config.model, accept_timeout=config.accept_timeout,
                                    frame_timeout=config.frame_timeout, max_restarts=config.max_restarts,
                                    engine_args=config.engine_args, command=config.engine_command,
-                                   on_ready=self._engine_ready)
+                                   on_ready=self._engine_ready, on_stats=self._engine_stats)
         self.admission = Admission(capacity=1, max_queue=config.max_queue, timeout=config.queue_timeout)
-        self.metrics.gauge("probity_queue_depth", lambda: self.admission.queued)
-        self.metrics.gauge("probity_requests_active", lambda: self.admission.active)
-        self.metrics.gauge("probity_engine_restarts", lambda: self.engine.restarts)
-        self.metrics.gauge("probity_engine_up", lambda: 1 if self.engine.up else 0)
-        self.metrics.gauge("probity_engine_running_sequences", lambda: self.engine.stats.get("active", 0))
-        self.metrics.gauge("probity_engine_waiting_sequences", lambda: self.engine.stats.get("waiting", 0))
-        self.metrics.gauge("probity_engine_tokens_per_second", lambda: self.engine.stats.get("tokens_per_s", 0))
+        self.metrics = Metrics(self.admission, self.engine)
 
     def _engine_ready(self, info: dict) -> None:
         self.admission.capacity = info["concurrency"]
+        self.metrics.engine.engine_started()
+
+    def _engine_stats(self, stats: dict) -> None:
+        self.metrics.engine.report(stats)
 
     def ready_info(self) -> dict:
         if not self.engine.up or self.engine.ready_info is None:
@@ -121,6 +119,7 @@ def create_app(config: Config) -> FastAPI:
                   description="OpenAI- and Anthropic-compatible inference server with exact instrumentation. "
                               "Field-by-field contract: docs/api.md.")
     app.state.svc = svc
+    svc.metrics.routes = app.router.routes
 
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -144,6 +143,8 @@ def create_app(config: Config) -> FastAPI:
             return APIError("internal_error", f"internal error: {type(e).__name__}").response(anthropic)
 
     from . import anthropic_api, openai_api, tokenizer_api
+
+    inspector.add_routes(app)
 
     from .validation import CHAT_FIELDS, COMPLETION_FIELDS
 
@@ -209,7 +210,7 @@ def create_app(config: Config) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(svc.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
 
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -263,22 +264,23 @@ class Envelope:
         if self.allowed is not None and host not in self.allowed:
             # DNS rebinding: a page on another name that resolves to us must not reach the API.
             resp = APIError("invalid_host", f"Host {host!r} is not allowed; see --allowed-host").response(anthropic)
+            self.svc.metrics.refused(scope, "invalid_host", resp.status_code)
             return await resp(scope, receive, send_with_id)
         key = self.svc.config.api_key
         # CORS preflights carry no credentials by design; the CORS layer answers them.
-        if key and path != "/health" and scope["method"] != "OPTIONS":
+        if key and path != "/health" and not inspector.is_public(path) and scope["method"] != "OPTIONS":
             given = headers.get("x-api-key")
             auth = headers.get("authorization", "")
             if given is None and auth.lower().startswith("bearer "):
                 given = auth[7:].strip()
             if given is None or not hmac.compare_digest(given.encode(), key.encode()):
                 resp = APIError("invalid_api_key", "missing or wrong API key").response(anthropic)
+                self.svc.metrics.refused(scope, "invalid_api_key", resp.status_code)
                 return await resp(scope, receive, send_with_id)
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self.svc.metrics.inc("probity_http_requests_total", endpoint=path if status[0] != 404 else "other",
-                                 status=str(status[0]))
+            self.svc.metrics.request(scope, status[0])
             log.info("request_id=%s method=%s path=%s status=%d duration_s=%.3f", rid, scope["method"], path,
                      status[0], time.monotonic() - t0)
 

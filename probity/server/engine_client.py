@@ -120,9 +120,11 @@ def engine_error_to_api(p: dict) -> APIError:
 
 class EngineClient:
     def __init__(self, model: str, accept_timeout: float = 30.0, max_restarts: int = 5, frame_timeout: float = 10.0,
-                 engine_args: list[str] | None = None, command: list[str] | None = None, on_ready=None):
+                 engine_args: list[str] | None = None, command: list[str] | None = None, on_ready=None,
+                 on_stats=None):
         self.model = model
         self.on_ready = on_ready
+        self.on_stats = on_stats
         self.accept_timeout = accept_timeout
         self.frame_timeout = frame_timeout
         self.max_restarts = max_restarts
@@ -273,6 +275,8 @@ class EngineClient:
                 log.info("engine ready: %s", f.payload["model"]["id"])
             elif f.kind == "STATS":
                 self.stats = f.payload
+                if self.on_stats:
+                    self.on_stats(f.payload)
             elif f.kind == "ERROR":
                 raise P.ProtocolViolation(f"engine reported {f.payload['code']}: {f.payload['message']}")
             else:

@@ -45,6 +45,7 @@ class Generation:
         self.queue_s = 0.0
         self.t0 = time.monotonic()
         self.first_token_at: float | None = None
+        self.token_span: dict[tuple[int, int], list[float]] = {}  # (member, choice) -> [first, last] arrival
         self._slot = False
 
     async def start(self) -> dict:
@@ -69,9 +70,11 @@ class Generation:
             if f.kind == "DONE":
                 yield f
                 return
-            if f.kind == "TOKEN" and self.first_token_at is None:
-                self.first_token_at = time.monotonic()
-                self.svc.metrics.observe("probity_time_to_first_token_seconds", self.first_token_at - self.t0)
+            if f.kind == "TOKEN":
+                now = time.monotonic()
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                self.token_span.setdefault((f.payload["member"], f.payload["choice"]), [now, now])[1] = now
             yield f
 
     def log_stream_failure(self, response_id: str, e: APIError) -> None:
@@ -92,14 +95,7 @@ class Generation:
         return out
 
     def account(self, done: dict) -> None:
-        u = done.get("usage", {})
-        m = self.svc.metrics
-        m.inc("probity_prompt_tokens_total", u.get("prompt_tokens", 0))
-        m.inc("probity_completion_tokens_total", u.get("completion_tokens", 0))
-        m.inc("probity_cached_prompt_tokens_total", u.get("cached_tokens", 0))
-        n = u.get("completion_tokens", 0)
-        if n > 1 and self.first_token_at is not None:
-            m.observe("probity_time_per_output_token_seconds", (time.monotonic() - self.first_token_at) / (n - 1))
+        self.svc.metrics.finished(self, done, time.monotonic())
 
     def close(self) -> None:
         """Idempotent: cancel the engine work if it is still running, free the slot."""

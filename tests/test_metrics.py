@@ -1,0 +1,199 @@
+"""/metrics read by prometheus-client's own parser: counts after known traffic, bounded series,
+no forged samples, exact counters."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import TINY_ID, LiveServer
+
+KEY = {"Authorization": "Bearer k3y"}
+FORGED = "/v1/models/x%22,status=%22999%22%7D%2042%20%23"
+TEMPLATES = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+             "/detokenize", "/tokenizer_info", "/v1/models", "/v1/models/{model_id:path}", "/health", "/metrics",
+             "/", "/inspect", "/inspector/{name}", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
+             "other"}
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def scrape(s: LiveServer) -> dict[tuple[str, tuple], float]:
+    r = s.get("/metrics", headers=KEY)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return samples(r.text)
+
+
+def value(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--api-key", "k3y"])
+    yield s
+    s.stop()
+
+
+def test_metrics_count_exactly_what_was_sent(server):
+    s = server
+    prompt_tokens = completion_tokens = cached = 0
+    for i in range(3):
+        r = s.post("/v1/completions", {"model": TINY_ID, "prompt": f"Hello {i}", "max_tokens": 5 + i,
+                                       "temperature": 0}, headers=KEY)
+        assert r.status_code == 200
+        u = r.json()["usage"]
+        prompt_tokens += u["prompt_tokens"]
+        completion_tokens += u["completion_tokens"]
+        cached += u["prompt_tokens_details"]["cached_tokens"]
+    with httpx.stream("POST", s.url + "/v1/completions", headers=KEY, timeout=60, json={
+            "model": TINY_ID, "prompt": "Stream me", "max_tokens": 7, "stream": True, "echo": True, "logprobs": 2,
+            "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    u = chunks[-1]["usage"]
+    prompt_tokens += u["prompt_tokens"]
+    completion_tokens += u["completion_tokens"]
+    cached += u["prompt_tokens_details"]["cached_tokens"]
+    r = s.post("/v1/chat/completions", {"model": TINY_ID, "messages": [{"role": "user", "content": "Hi"}],
+                                        "max_tokens": 4}, headers=KEY)
+    u = r.json()["usage"]
+    prompt_tokens += u["prompt_tokens"]
+    completion_tokens += u["completion_tokens"]
+    cached += u["prompt_tokens_details"]["cached_tokens"]
+    r = s.post("/v1/messages", {"model": TINY_ID, "messages": [{"role": "user", "content": "Hi"}],
+                                "max_tokens": 3}, headers=KEY)
+    u = r.json()["usage"]
+    prompt_tokens += u["input_tokens"]
+    completion_tokens += u["output_tokens"]
+    cached += u["cache_read_input_tokens"]
+    assert s.post("/tokenize", {"prompt": "Hello"}, headers=KEY).status_code == 200
+    generate_requests = 6
+
+    assert s.post("/v1/completions", {"model": TINY_ID, "prompt": "x"}).status_code == 401
+    assert s.post("/v1/completions", {"model": TINY_ID, "prompt": "x"},
+                  headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.get(s.url + "/v1/models", headers={**KEY, "Host": "evil.example"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    for i in range(5):  # unknown paths: one label between them, not a series each
+        assert s.get(f"/no/such/path/{i}", headers=KEY).status_code == 404
+    assert httpx.post(s.url + FORGED, headers=KEY).status_code == 405
+
+    m = scrape(s)
+    req = "probity_http_requests_total"
+    assert value(m, req, route="/v1/completions", status="200") == 4
+    assert value(m, req, route="/v1/chat/completions", status="200") == 1
+    assert value(m, req, route="/v1/messages", status="200") == 1
+    assert value(m, req, route="/tokenize", status="200") == 1
+    assert value(m, req, route="/v1/completions", status="401") == 2
+    assert value(m, req, route="/v1/models", status="400") == 1
+    assert value(m, req, route="other", status="404") == 5
+    assert value(m, req, route="/v1/models/{model_id:path}", status="405") == 1
+    assert value(m, "probity_refused_requests_total", code="invalid_api_key") == 2
+    assert value(m, "probity_refused_requests_total", code="invalid_host") == 1
+    # the forged path planted nothing: every label comes from the bounded sets
+    for name, labels in m:
+        d = dict(labels)
+        assert set(d) <= {"route", "status", "code", "le"}, (name, d)
+        assert d.get("route", "other") in TEMPLATES, d
+        assert d.get("status", "200").isdigit() and d.get("status") != "999", d
+    assert not any(v == 42 for v in m.values())
+
+    assert value(m, "probity_prompt_tokens_total") == prompt_tokens
+    assert value(m, "probity_generation_tokens_total") == completion_tokens
+    assert value(m, "probity_prompt_tokens_cached_total") == cached
+    for h in ("probity_time_to_first_token_seconds", "probity_e2e_request_latency_seconds",
+              "probity_request_queue_time_seconds", "probity_request_prefill_time_seconds",
+              "probity_request_decode_time_seconds"):
+        assert value(m, h + "_count") == generate_requests, h
+        assert value(m, h + "_bucket", le="+Inf") == generate_requests, h
+    # one sample per generated sequence of two or more tokens; every request above made one
+    assert value(m, "probity_time_per_output_token_seconds_count") == generate_requests
+    assert value(m, "probity_engine_up") == 1 and value(m, "probity_engine_restarts_total") == 0
+    assert value(m, "probity_queue_depth") == 0 and value(m, "probity_requests_active") == 0
+
+    # Engine-side figures arrive in STATS, sent when the engine goes idle: wait for that state.
+    deadline = time.monotonic() + 30
+    while True:
+        m = scrape(s)
+        stats = s.get("/health").json()["engine"]["stats"]
+        if value(m, "probity_engine_generated_tokens_total") == completion_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert value(m, "probity_engine_generated_tokens_total") == completion_tokens == stats["generated_tokens"]
+    assert value(m, "probity_engine_forward_passes_total") == stats["forward_passes"] > 0
+    assert value(m, "probity_engine_prompt_tokens_computed_total") == stats["prompt_tokens_computed"]
+    assert value(m, "probity_num_requests_running") == 0 and value(m, "probity_num_requests_waiting") == 0
+    # the engine reports its cache figures or it does not; never a made-up zero
+    for field, name in (("prefix_query_tokens", "probity_prefix_cache_queries_total"),
+                        ("prefix_hit_tokens", "probity_prefix_cache_hits_total")):
+        assert ((name, ()) in m) == (field in stats)
+        if field in stats:
+            assert m[(name, ())] == stats[field]
+    if "kv_blocks_total" in stats:
+        assert value(m, "probity_kv_cache_usage_perc") == stats["kv_blocks_used"] / stats["kv_blocks_total"]
+    else:
+        assert ("probity_kv_cache_usage_perc", ()) not in m
+
+
+def poll(fn, within: float = 60.0):
+    """fn() until it returns something truthy (the state reached), or fail after `within` s."""
+    deadline = time.monotonic() + within
+    while not (got := fn()):
+        assert time.monotonic() < deadline, "state not reached"
+        time.sleep(0.1)
+    return got
+
+
+def test_engine_counters_keep_counting_across_a_restart(server):
+    s = server
+    before = poll(lambda: (m := scrape(s)) and ("probity_engine_generated_tokens_total", ()) in m and m)
+    os.kill(s.engine_pid(), signal.SIGKILL)
+    poll(lambda: s.get("/health").json()["engine"]["restarts"] == 1 and s.get("/health").status_code == 200)
+    r = s.post("/v1/completions", {"model": TINY_ID, "prompt": "Again", "max_tokens": 5, "temperature": 0},
+               headers=KEY)
+    n = r.json()["usage"]["completion_tokens"]
+    want = value(before, "probity_engine_generated_tokens_total") + n
+    m = poll(lambda: (m := scrape(s)) and value(m, "probity_engine_generated_tokens_total") == want and m, 30)
+    assert value(m, "probity_engine_restarts_total") == 1 and value(m, "probity_engine_up") == 1
+    assert value(m, "probity_engine_forward_passes_total") > value(before, "probity_engine_forward_passes_total")
+    assert value(m, "probity_generation_tokens_total") == value(before, "probity_generation_tokens_total") + n
+
+
+def test_counters_stay_exact_past_a_million_and_across_engine_restarts():
+    from probity.server.metrics import Metrics
+
+    engine = SimpleNamespace(up=True, restarts=2)
+    m = Metrics(SimpleNamespace(queued=0, active=0), engine)
+    m.engine.report({"forward_passes": 1_234_567_891, "generated_tokens": 7, "active": 3, "waiting": 1,
+                     "kv_blocks_used": 3, "kv_blocks_total": 8})
+    m.engine.report({"forward_passes": 1_234_567_893, "generated_tokens": 9})
+    m.engine.engine_started()  # a new engine counts from zero again
+    m.engine.report({"forward_passes": 5, "generated_tokens": 1})
+    gen = SimpleNamespace(t0=0.0, first_token_at=0.5, queue_s=0.25, token_span={(0, 0): [0.5, 2.5]})
+    m.finished(gen, {"usage": {"prompt_tokens": 1_234_567, "completion_tokens": 5, "cached_tokens": 0},
+                     "timings": {"queue_s": 0.5, "prefill_s": 0.125, "decode_s": 2.0},
+                     "choices": [{"member": 0, "choice": 0, "completion_tokens": 5}]}, now=3.0)
+    text = m.render().decode()
+    got = samples(text)
+    assert got[("probity_engine_forward_passes_total", ())] == 1_234_567_898
+    assert got[("probity_engine_generated_tokens_total", ())] == 10
+    assert got[("probity_prompt_tokens_total", ())] == 1_234_567
+    assert got[("probity_engine_restarts_total", ())] == 2
+    assert got[("probity_e2e_request_latency_seconds_sum", ())] == 3.0
+    assert got[("probity_time_to_first_token_seconds_sum", ())] == 0.5
+    assert got[("probity_request_queue_time_seconds_sum", ())] == 0.75
+    assert got[("probity_time_per_output_token_seconds_sum", ())] == 0.5
+    # the gauges show the newest engine's report only: it has sent no kv or running figures
+    assert ("probity_kv_cache_usage_perc", ()) not in got and ("probity_num_requests_running", ()) not in got
