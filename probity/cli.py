@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token rows in one forward pass: decodes plus prompt chunks (bounds step memory)")
     s.add_argument("--kv-cache-gib", type=float, default=2.0,
                    help="size of the preallocated KV block pool in GiB (the context window is capped to it)")
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt from scratch (the cache changes no number, only speed)")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="engine crashes in a row (without a READY between) before the server stops restarting it")
     s.add_argument("--engine-command", default=None,
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         sys.exit("probity: PROBITY_ACCEPT_TIMEOUT and PROBITY_FRAME_TIMEOUT must be numbers of seconds")
     engine_args = ["--max-running", str(args.max_running), "--step-tokens", str(args.step_tokens),
-                   "--kv-cache-gib", str(args.kv_cache_gib)]
+                   "--kv-cache-gib", str(args.kv_cache_gib)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
     if args.threads:
         engine_args += ["--threads", str(args.threads)]
     config = Config(

@@ -62,9 +62,10 @@ def read_loop(stream, inbox: queue.Queue, out: Writer) -> None:
 
 class Engine:
     def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, max_running: int = 64,
-                 threads: int | None = None, step_tokens: int = 512, kv_cache_gib: float = 2.0):
+                 threads: int | None = None, step_tokens: int = 512, kv_cache_gib: float = 2.0,
+                 prefix_cache: bool = True):
         self.loaded = loaded
-        self.runner = ModelRunner(loaded.model, threads, kv_cache_gib)
+        self.runner = ModelRunner(loaded.model, threads, kv_cache_gib, prefix_cache=prefix_cache)
         loaded.model = None  # the runner holds its own (prepacked) weights; free transformers' copy
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
         self.scheduler = Scheduler(self.runner.pool, max_running, step_tokens)
@@ -102,7 +103,7 @@ class Engine:
                 "logprobs": True, "max_logprobs": P.MAX_LOGPROBS, "echo": True, "token_ids": True,
                 "seed": True, "chat_template": self.vocab.has_chat_template,
                 "max_members": P.MAX_MEMBERS, "max_choices": P.MAX_CHOICES,
-                "batch_invariant": True, "prefix_cache": False,
+                "batch_invariant": True, "prefix_cache": self.runner.pool.prefix_cache,
             },
             "concurrency": self.scheduler.max_running,
         }
@@ -133,6 +134,7 @@ class Engine:
             "tokens_per_s": self.tokens_since_stats / max(now - self.last_stats, 1e-6), "steps": self.steps,
             "forward_passes": self.forward_passes, "prompt_tokens_computed": self.prompt_tokens_computed,
             "generated_tokens": self.generated_tokens, "preemptions": self.scheduler.preemptions,
+            "prefix_query_tokens": self.scheduler.query_tokens, "prefix_hit_tokens": self.scheduler.hit_tokens,
             "kv_blocks_used": self.runner.pool.used, "kv_blocks_total": self.runner.pool.num_blocks - 1})
         self.tokens_since_stats = 0
         self.last_stats = now
@@ -232,7 +234,10 @@ class Engine:
                     request=req, member=m, choice=c, prompt=ids,
                     generator=new_generator(sampling.seed, c), stop_text=StopText(sampling.stop)))
         self.requests[rid] = req
-        self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": 0} for ids in prompts]})
+        pool = self.runner.pool
+        cached = [min(pool.cached_prefix(pool.digests(ids, len(ids) - 1)) * pool.block_size, len(ids)) for ids in prompts]
+        self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": c}
+                                                  for ids, c in zip(prompts, cached)]})
         if sampling.echo:
             req.echo_pending = set(range(len(prompts)))
             for seq in req.sequences:
@@ -280,6 +285,7 @@ class Engine:
             if seq.num_computed < len(seq.prompt):
                 self.prompt_tokens_computed += min(n, len(seq.prompt) - seq.num_computed)
             seq.num_computed += n
+            self.scheduler.register(seq)
             if res.echo:
                 self.send_echo(seq, res.echo)
             if res.logits is not None:
@@ -387,7 +393,8 @@ class Engine:
         self.out.send("DONE", req.id, {
             "choices": choices,
             "usage": {"prompt_tokens": sum(len(p) for p in req.prompts),
-                      "completion_tokens": sum(len(q.out) for q in req.sequences), "cached_tokens": 0},
+                      "completion_tokens": sum(len(q.out) for q in req.sequences),
+                      "cached_tokens": sum(q.cached_tokens or 0 for q in req.sequences if q.choice == 0)},
             "timings": {"queue_s": (req.t_first_forward or now) - req.t_submit,
                         "prefill_s": req.prefill_s, "decode_s": req.decode_s},
         })
@@ -402,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--no-prefix-cache", action="store_true")
     args = ap.parse_args(argv)
 
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
@@ -427,7 +435,8 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(3)
     try:
         engine = Engine(loaded, out, inbox, max_running=args.max_running, threads=args.threads or os.cpu_count(),
-                        step_tokens=args.step_tokens, kv_cache_gib=args.kv_cache_gib)
+                        step_tokens=args.step_tokens, kv_cache_gib=args.kv_cache_gib,
+                        prefix_cache=not args.no_prefix_cache)
     except UnsupportedModel as e:
         log(f"error: {e}")
         os._exit(3)

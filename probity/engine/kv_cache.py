@@ -1,20 +1,34 @@
-"""The KV block pool: fixed-size blocks preallocated once, handed to sequences as block tables.
+"""The KV block pool: fixed-size blocks preallocated once, handed to sequences as block tables,
+and the exact prefix cache over them.
 
-Block 0 is never handed out: it is the zero block that pads block tables to the aligned key
-length. Running out of blocks is not an error here; the scheduler decides who waits or is
-preempted (and recomputed)."""
+A full block is content-addressed by the SHA-256 chain of its tokens (the parent block's digest
+and the block's token ids), so equal digests mean equal prefixes. A new sequence reuses the
+longest chain of cached full blocks. Blocks are reference-counted: a block nobody uses stays
+cached until the pool needs room (least recently released first); a block in use is never
+evicted. Block 0 is never handed out: it is the zero block that pads block tables."""
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+
+def chain(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
         if num_blocks < 2:
             raise ValueError("the KV pool needs at least two blocks")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.prefix_cache = prefix_cache
         self.free: deque[int] = deque(range(1, num_blocks))
+        self.refs = [0] * num_blocks
+        self.digest: dict[int, bytes] = {}          # cached block -> its chain digest
+        self.by_digest: dict[bytes, int] = {}       # chain digest -> cached block
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user, oldest first
 
     @property
     def capacity_tokens(self) -> int:
@@ -22,19 +36,64 @@ class BlockPool:
 
     @property
     def used(self) -> int:
-        return self.num_blocks - 1 - len(self.free)
+        return self.num_blocks - 1 - len(self.free) - len(self.idle)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def can_grow(self, table: list[int], tokens: int) -> bool:
-        return self.blocks_for(tokens) - len(table) <= len(self.free)
+        return self.blocks_for(tokens) - len(table) <= len(self.free) + len(self.idle)
 
     def grow(self, table: list[int], tokens: int) -> None:
         """Extend `table` to hold `tokens` positions (the caller checked can_grow)."""
         for _ in range(self.blocks_for(tokens) - len(table)):
-            table.append(self.free.popleft())
+            if self.free:
+                b = self.free.popleft()
+            else:  # evict the least recently released cached block
+                b, _ = self.idle.popitem(last=False)
+                del self.by_digest[self.digest.pop(b)]
+            self.refs[b] = 1
+            table.append(b)
 
     def release(self, table: list[int]) -> None:
-        self.free.extend(table)
+        for b in reversed(table):  # a chain's tail is evicted before its head
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if b in self.digest:
+                    self.idle[b] = None
+                else:
+                    self.free.append(b)
         table.clear()
+
+    # ------------------------------------------------------------ prefix cache
+    def digests(self, tokens: list[int], upto: int) -> list[bytes]:
+        """Chain digests of the full blocks within tokens[:upto]."""
+        out, parent, bs = [], b"", self.block_size
+        for j in range(upto // bs):
+            parent = chain(parent, tokens[j * bs:(j + 1) * bs])
+            out.append(parent)
+        return out
+
+    def cached_prefix(self, digests: list[bytes]) -> int:
+        """How many leading blocks of the chain are cached (no side effects)."""
+        if not self.prefix_cache:
+            return 0
+        n = 0
+        while n < len(digests) and digests[n] in self.by_digest:
+            n += 1
+        return n
+
+    def take_cached(self, digests: list[bytes], n: int, table: list[int]) -> None:
+        """Append the first n cached blocks of the chain to an empty table, as a user of each."""
+        for d in digests[:n]:
+            b = self.by_digest[d]
+            if self.refs[b] == 0:
+                del self.idle[b]
+            self.refs[b] += 1
+            table.append(b)
+
+    def register(self, block: int, digest: bytes) -> None:
+        """A block just filled: cache it under its digest unless an equal block already is."""
+        if self.prefix_cache and digest not in self.by_digest and block not in self.digest:
+            self.by_digest[digest] = block
+            self.digest[block] = digest

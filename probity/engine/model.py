@@ -144,13 +144,16 @@ class Model:
         self.k_pool = torch.zeros(L, num_blocks, block_size, kv, hd)
         self.v_pool = torch.zeros(L, num_blocks, block_size, kv, hd + 1)
         self.v_pool[..., hd] = 1.0
+        # each position's final hidden state, so echo for a cached prefix is the head over the
+        # very rows that were computed (the head is row-invariant: identical logits)
+        self.h_pool = torch.zeros(num_blocks, block_size, cfg.hidden_size)
 
     @staticmethod
     def bytes_per_token(cfg) -> int:
         n_heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or n_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-        return cfg.num_hidden_layers * kv * (2 * hd + 1) * 4
+        return (cfg.num_hidden_layers * kv * (2 * hd + 1) + cfg.hidden_size) * 4
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -188,7 +191,12 @@ class Model:
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
             h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
-        return rms_norm(h, self.norm, self.eps)
+        h = rms_norm(h, self.norm, self.eps)
+        self.h_pool.view(-1, h.shape[1])[slots] = h
+        return h
+
+    def hidden_at(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.h_pool.view(-1, self.h_pool.shape[-1])[slots]
 
     def _attend(self, li: int, q: torch.Tensor, g: AttnGroup, out: torch.Tensor) -> None:
         H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group

@@ -26,13 +26,13 @@ class SeqResult:
 
 class ModelRunner:
     def __init__(self, hf_model, threads: int | None = None, kv_cache_gib: float = 2.0,
-                 head_rows: int = 128, num_blocks: int | None = None):
+                 head_rows: int = 128, num_blocks: int | None = None, prefix_cache: bool = True):
         if threads:
             torch.set_num_threads(threads)
         cfg = hf_model.config
         per_block = Model.bytes_per_token(cfg) * BLOCK_SIZE
         num_blocks = num_blocks or max(2, int(kv_cache_gib * (1 << 30)) // per_block + 1)
-        self.pool = BlockPool(num_blocks, BLOCK_SIZE)
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_cache)
         self.model = Model(hf_model, num_blocks, BLOCK_SIZE)
         self.vocab_size = self.model.vocab_size
         ctx = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -92,20 +92,24 @@ class ModelRunner:
         """Run one forward. `wants_sample(seq)` says whether a token is to be sampled once the
         sequence's positions are all computed. Does not advance `num_computed`."""
         hidden, starts = self.forward(batch)
-        # which rows need the head: (row, seq index, kind, target/position)
+        # which rows need the head: (row, seq index, kind, position). Echo rows come from the
+        # pool of final hidden states, so positions served by the prefix cache have theirs.
+        bs = self.pool.block_size
         wanted: list[tuple[int, int, str, int]] = []
+        echo_slots = []
         for i, (seq, n) in enumerate(batch):
             a = seq.num_computed
-            prompt_len = len(seq.prompt)
             if seq.echo_next:
-                for p in range(max(seq.echo_next, a + 1), min(a + n, prompt_len - 1) + 1):
-                    wanted.append((starts[i] + p - 1 - a, i, "echo", p))
+                for p in range(seq.echo_next, min(a + n, len(seq.prompt) - 1) + 1):
+                    wanted.append((len(hidden) + len(echo_slots), i, "echo", p))
+                    echo_slots.append(seq.blocks[(p - 1) // bs] * bs + (p - 1) % bs)
             if a + n == len(seq.tokens) and wants_sample(seq):
                 wanted.append((starts[i] + n - 1, i, "sample", 0))
+        rows = torch.cat([hidden, self.model.hidden_at(torch.tensor(echo_slots))]) if echo_slots else hidden
         results = [SeqResult() for _ in batch]
         for c in range(0, len(wanted), self.head_rows):
             chunk = wanted[c:c + self.head_rows]
-            logits = self.model.logits(hidden[torch.tensor([w[0] for w in chunk])])
+            logits = self.model.logits(rows[torch.tensor([w[0] for w in chunk])])
             lp = torch.log_softmax(logits, dim=-1)
             echo_rows: dict[int, list[int]] = {}
             for j, (_, i, kind, p) in enumerate(chunk):
@@ -113,13 +117,13 @@ class ModelRunner:
                     results[i].logits, results[i].lp = logits[j].clone(), lp[j].clone()
                 else:
                     echo_rows.setdefault(i, []).append(j)
-            for i, rows in echo_rows.items():
+            for i, js in echo_rows.items():
                 seq = batch[i][0]
-                pos = [chunk[j][3] for j in rows]
+                pos = [chunk[j][3] for j in js]
                 targets = [seq.prompt[p] for p in pos]
-                sub = lp[torch.tensor(rows)]
-                vals = sub[torch.arange(len(rows)), torch.tensor(targets)].tolist()
+                sub = lp[torch.tensor(js)]
+                vals = sub[torch.arange(len(js)), torch.tensor(targets)].tolist()
                 k = seq.request.sampling.logprobs
-                tables = top_tables(sub, targets, k) if k is not None else [None] * len(rows)
+                tables = top_tables(sub, targets, k) if k is not None else [None] * len(js)
                 results[i].echo += list(zip(pos, vals, tables))
         return results

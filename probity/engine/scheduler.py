@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .kv_cache import BlockPool
+from .kv_cache import BlockPool, chain
 from .sequence import Request, Sequence, Status
 
 
@@ -22,6 +22,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.query_tokens = 0   # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0     # ... and served from it
 
     @property
     def has_work(self) -> bool:
@@ -52,24 +54,58 @@ class Scheduler:
             batch.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
-        while self.waiting and budget and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            n = min(seq.remaining, budget)
-            if not self.pool.can_grow(seq.blocks, seq.num_computed + n):
+        # blocks some running sequence is about to fill: a waiting sequence that needs one of
+        # them waits for it instead of computing the same prefix again
+        pending = {d for r in self.running for d in r.digests[r.registered:]}
+        admitted = []
+        for seq in self.waiting:
+            if not budget or len(self.running) >= self.max_running:
                 break
-            self.waiting.popleft()
+            tokens = seq.tokens
+            if len(seq.digests) != (len(tokens) - 1) // self.pool.block_size:
+                seq.digests = self.pool.digests(tokens, len(tokens) - 1)  # at least one row is run
+            hit = self.pool.cached_prefix(seq.digests)
+            if hit < len(seq.digests) and seq.digests[hit] in pending:
+                continue
+            bs = self.pool.block_size
+            n = min(len(tokens) - hit * bs, budget)
+            idle_hits = sum(1 for d in seq.digests[:hit] if self.pool.refs[self.pool.by_digest[d]] == 0)
+            if self.pool.blocks_for(hit * bs + n) - hit > len(self.pool.free) + len(self.pool.idle) - idle_hits:
+                break
+            self.pool.take_cached(seq.digests, hit, seq.blocks)
+            seq.registered, seq.num_computed = hit, hit * bs
+            if seq.cached_tokens is None:
+                seq.cached_tokens = min(hit * bs, len(seq.prompt))
+                self.query_tokens += len(seq.prompt)
+                self.hit_tokens += seq.cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             self.pool.grow(seq.blocks, seq.num_computed + n)
             batch.append((seq, n))
+            admitted.append(seq)
+            pending.update(seq.digests[hit:])
             budget -= n
+        for seq in admitted:
+            self.waiting.remove(seq)
         return batch
+
+    def register(self, seq: Sequence) -> None:
+        """Offer the sequence's newly filled blocks to the prefix cache."""
+        bs = self.pool.block_size
+        full = seq.num_computed // bs
+        while len(seq.digests) < full:
+            j = len(seq.digests)
+            seq.digests.append(chain(seq.digests[-1] if seq.digests else b"", seq.tokens[j * bs:(j + 1) * bs]))
+        for j in range(seq.registered, full):
+            self.pool.register(seq.blocks[j], seq.digests[j])
+        seq.registered = max(seq.registered, full)
 
     def preempt(self, seq: Sequence) -> None:
         self.preemptions += 1
         self.running.remove(seq)
         self.pool.release(seq.blocks)
-        seq.num_computed = 0
+        seq.num_computed = seq.registered = 0
+        seq.digests = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -117,6 +117,9 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # KV block table
     num_computed: int = 0         # leading positions whose K/V are in the pool
     echo_next: int = 0            # next prompt position whose echo entry is owed (echo choice only)
+    digests: list = field(default_factory=list)  # prefix-cache chain digests of its full blocks
+    registered: int = 0           # leading blocks offered to the prefix cache
+    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     held: list = field(default_factory=list)  # tokens waiting for the member's echo to finish
     finish_reason: str | None = None
     stop_matched: str | None = None

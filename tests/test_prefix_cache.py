@@ -1,0 +1,118 @@
+"""The exact prefix cache: every number returned — prompt (echo) and generated logprobs, top
+tables, greedy and seeded tokens — is bit-for-bit what a server without the cache returns,
+cold, warm, partly cached, shared inside a prompt array, and after eviction. The accounting
+(`cached_tokens`, `cache_read_input_tokens`, the engine's hit counters) tells the truth."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import TINY_ID, LiveServer
+from test_completions import ok
+
+BLOCK = 16
+NO_EOS = {"2": -100}
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--no-prefix-cache"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def small_pool(tiny_model_dir):
+    """Room for one full context and a little more: cached blocks are evicted all the time."""
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-gib", "0.0004"])
+    yield s
+    s.stop()
+
+
+def request(prompt, rng: random.Random) -> dict:
+    kind = rng.choice(["echo", "echo", "greedy", "seeded"])
+    body = {"model": TINY_ID, "prompt": prompt, "logprobs": rng.choice([1, 5, 32]), "logit_bias": NO_EOS}
+    if kind == "echo":
+        body.update(echo=True, max_tokens=rng.choice([0, 1]), temperature=0)
+    else:
+        body.update(max_tokens=rng.randint(1, 12), temperature=0 if kind == "greedy" else 1.0, seed=rng.randrange(100),
+                    echo=rng.random() < 0.5)
+    return body
+
+
+def numbers(server, body) -> list:
+    r = ok(server, **body)
+    return [(c["text"], c["logprobs"], c["finish_reason"]) for c in r["choices"]]
+
+
+def overlapping_prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Token-id prompts that share prefixes of random lengths with earlier ones."""
+    out = []
+    for _ in range(n):
+        if out and rng.random() < 0.8:
+            base = rng.choice(out)
+            cut = rng.randint(1, len(base))
+            p = base[:cut] + [rng.randrange(3, 390) for _ in range(rng.randint(0, 40))]
+        else:
+            p = [rng.randrange(3, 390) for _ in range(rng.randint(1, 120))]
+        out.append(p[:200])
+    return out
+
+
+def _compare(server, cold, seed: int, n: int) -> None:
+    rng = random.Random(seed)
+    for prompt in overlapping_prompts(rng, n):
+        body = request(prompt, rng)
+        want = numbers(cold, body)
+        assert numbers(server, body) == want       # cold or partly cached
+        assert numbers(server, body) == want       # warm: the whole prefix is cached now
+
+
+def test_cache_equals_no_cache_random_overlaps(tiny_server, cold):
+    _compare(tiny_server, cold, seed=1, n=30)
+
+
+def test_cache_equals_no_cache_under_eviction(small_pool, cold):
+    stats0 = small_pool.get("/health").json()["engine"]["stats"]
+    _compare(small_pool, cold, seed=2, n=30)
+    stats = small_pool.get("/health").json()["engine"]["stats"]
+    assert stats["prefix_hit_tokens"] > stats0.get("prefix_hit_tokens", 0)
+
+
+def test_cached_tokens_are_reported_truthfully(tiny_server):
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 390) for _ in range(90)]  # 5 full blocks in the first 89 tokens
+    body = {"model": TINY_ID, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1}
+    first = ok(tiny_server, **body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    again = ok(tiny_server, **body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first == 0 and again == 5 * BLOCK
+    longer = ok(tiny_server, **{**body, "prompt": prompt + [7] * 30})["usage"]
+    assert longer["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK
+    assert longer["prompt_tokens"] == 120
+
+
+def test_array_members_share_their_common_context(tiny_server):
+    """lm-eval's multiple-choice shape: one context, several continuations, one array."""
+    rng = random.Random(6)
+    ctx = [rng.randrange(3, 390) for _ in range(100)]
+    members = [ctx + [rng.randrange(3, 390) for _ in range(6)] for _ in range(4)]
+    r = ok(tiny_server, model=TINY_ID, prompt=members, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    # the first member computes the 6 full blocks of the context; the other three reuse them
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 6 * BLOCK
+    solo = [ok(tiny_server, model=TINY_ID, prompt=m, max_tokens=1, echo=True, logprobs=1,
+               temperature=0)["choices"][0]["logprobs"]
+            for m in members]
+    assert [c["logprobs"] for c in r["choices"]] == solo
+
+
+def test_anthropic_reports_cache_reads(tiny_server):
+    body = {"model": TINY_ID, "max_tokens": 2, "system": "You are terse. " * 12,
+            "messages": [{"role": "user", "content": "Say something."}]}
+    h = {"anthropic-version": "2023-06-01"}
+    first = tiny_server.post("/v1/messages", json=body, headers=h).json()["usage"]
+    second = tiny_server.post("/v1/messages", json=body, headers=h).json()["usage"]
+    assert second["cache_read_input_tokens"] > 0
+    assert second["cache_read_input_tokens"] % BLOCK == 0
+    assert second["cache_read_input_tokens"] < second["input_tokens"]
+    assert first["input_tokens"] == second["input_tokens"]
