@@ -141,8 +141,10 @@ class Model:
         L, kv, hd = len(self.layers), self.n_kv, self.head_dim
         # Block 0 is the zero block that pads block tables; it is never written. V carries a
         # column of ones, so the softmax denominator comes out of the values' own GEMM.
-        self.k_pool = torch.zeros(L, num_blocks, block_size, kv, hd)
-        self.v_pool = torch.zeros(L, num_blocks, block_size, kv, hd + 1)
+        # Head-major layout: gathering a sequence's blocks gives [kv, items, L, hd] as a view,
+        # so attention reads the keys in place of a transposed copy.
+        self.k_pool = torch.zeros(L, kv, num_blocks, block_size, hd)
+        self.v_pool = torch.zeros(L, kv, num_blocks, block_size, hd + 1)
         self.v_pool[..., hd] = 1.0
         # each position's final hidden state, so echo for a cached prefix is the head over the
         # very rows that were computed (the head is row-invariant: identical logits)
@@ -179,10 +181,8 @@ class Model:
                 k = rms_norm(k, layer.k_norm, self.eps)
             q = rotate(q, cos, sin)
             k = rotate(k, cos, sin)
-            kp = self.k_pool[li].view(-1, KV, hd)
-            vp = self.v_pool[li].view(-1, KV, hd + 1)
-            kp[slots] = k
-            vp[slots, :, :hd] = v
+            self.k_pool[li].view(KV, -1, hd)[:, slots] = k.transpose(0, 1)
+            self.v_pool[li].view(KV, -1, hd + 1)[:, slots, :hd] = v.transpose(0, 1)
             attn = torch.empty(T, H, hd)
             for g in groups:
                 self._attend(li, q, g, attn)
@@ -202,22 +202,22 @@ class Model:
         H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group
         items, n = len(g.starts), g.rows
         idx = (torch.tensor(g.starts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
-        # queries [items, KV, G*n, hd], scaled before the GEMM
-        qs = (q[idx] * self.scale).reshape(items, n, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(items, KV, G * n, hd)
+        # queries [KV, items, G*n, hd], scaled before the GEMM
+        qs = (q[idx] * self.scale).reshape(items, n, KV, G, hd).permute(2, 0, 3, 1, 4).reshape(KV, items, G * n, hd)
         nb = g.tables.shape[1]
         L = nb * self.block_size
-        keys = self.k_pool[li][g.tables].reshape(items, L, KV, hd).permute(0, 2, 3, 1)      # [items, KV, hd, L]
-        vals = self.v_pool[li][g.tables].reshape(items, L, KV, hd + 1).permute(0, 2, 1, 3)  # [items, KV, L, hd+1]
+        keys = self.k_pool[li][:, g.tables].view(KV, items, L, hd)
+        vals = self.v_pool[li][:, g.tables].view(KV, items, L, hd + 1)
         if G * n < MIN_ROWS:
-            qs = torch.cat([qs, qs.new_zeros(items, KV, MIN_ROWS - G * n, hd)], dim=2)
-        s = torch.matmul(qs, keys)[:, :, : G * n]                                            # [items, KV, G*n, L]
+            qs = torch.cat([qs, qs.new_zeros(KV, items, MIN_ROWS - G * n, hd)], dim=2)
+        s = torch.matmul(qs, keys.transpose(-1, -2))[:, :, : G * n]                          # [KV, items, G*n, L]
         masked = torch.arange(L)[None, None, :] > g.qpos[:, :, None]                          # [items, n, L]
-        s = s.reshape(items, KV, G, n, L).masked_fill(masked[:, None, None], float("-inf"))
-        e = torch.exp(s - s.amax(-1, keepdim=True)).reshape(items, KV, G * n, L)
+        s = s.reshape(KV, items, G, n, L).masked_fill(masked[None, :, None], float("-inf"))
+        e = torch.exp(s - s.amax(-1, keepdim=True)).reshape(KV, items, G * n, L)
         if G * n < MIN_ROWS:
-            e = torch.cat([e, e.new_zeros(items, KV, MIN_ROWS - G * n, L)], dim=2)
-        o = torch.matmul(e, vals)[:, :, : G * n]                                              # [items, KV, G*n, hd+1]
-        o = (o[..., :hd] / o[..., hd:]).reshape(items, KV, G, n, hd).permute(0, 3, 1, 2, 4).reshape(items * n, H, hd)
+            e = torch.cat([e, e.new_zeros(KV, items, MIN_ROWS - G * n, L)], dim=2)
+        o = torch.matmul(e, vals)[:, :, : G * n]                                              # [KV, items, G*n, hd+1]
+        o = (o[..., :hd] / o[..., hd:]).reshape(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
         out[idx] = o
 
     @torch.inference_mode()
