@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
-import threading
 import time
 import traceback
 
@@ -13,51 +11,18 @@ import torch
 from .. import protocol as P
 from ..protocol import Frame, finite_or_none
 from .loader import Loaded, log
+from .pipe import Writer, open_pipe
 from .model import UnsupportedModel
 from .runner import ModelRunner
 from .sampler import new_generator, sample, top_tables
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status, StopText
-from .submit import Refusal, member_ids, parse_members, parse_sampling
+from .submit import Refusal, parse_generate, run_op
 from .vocab import Vocab
 
 ECHO_CHUNK = 256
 STATS_EVERY = 1.0  # seconds between STATS frames while there is work
 ENGINE_BUILD = "probity-engine-2"
-
-
-class Writer:
-    """Frames to the server. A failed write means the server is gone: exit at once, silently."""
-
-    def __init__(self, fd: int):
-        self.f = os.fdopen(fd, "wb", buffering=0)
-        self.lock = threading.Lock()
-
-    def send(self, kind: str, rid: int, payload: dict) -> None:
-        data = P.encode(kind, rid, payload)
-        with self.lock:
-            try:
-                self.f.write(data)
-            except OSError:
-                os._exit(0)
-
-
-def read_loop(stream, inbox: queue.Queue, out: Writer) -> None:
-    """Reader thread: frames into the inbox. EOF on stdin means the server is gone: exit now,
-    even in the middle of loading or of a forward pass."""
-    reader = P.SyncReader(stream, "server")
-    try:
-        while True:
-            frame = reader.read()
-            if frame is None:
-                os._exit(0)
-            inbox.put(frame)
-    except P.ProtocolViolation as e:
-        log(f"protocol violation from server: {e}")
-        out.send("ERROR", 0, {"code": "PROTOCOL", "message": str(e)[:1000]})
-        os._exit(2)
-    except OSError:
-        os._exit(0)
 
 
 class Engine:
@@ -176,7 +141,7 @@ class Engine:
             if op == "generate":
                 self.start_generate(rid, p)
             else:
-                result = self.run_op(op, p)
+                result = run_op(op, p, self.vocab)
                 self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": result.get("count", 0), "cached_tokens": 0}]})
                 self.out.send("DONE", rid, {"result": result})
         except Refusal as r:
@@ -185,48 +150,8 @@ class Engine:
             log(f"request {rid} failed before acceptance: {traceback.format_exc()}")
             self.refuse(rid, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
 
-    def run_op(self, op: str, p: dict) -> dict:
-        add_special = p.get("add_special_tokens", True)
-        if type(add_special) is not bool:
-            raise Refusal("BAD_REQUEST", "add_special_tokens must be a boolean", "add_special_tokens")
-        if op == "tokenize":
-            members = p.get("members")
-            if type(members) is not list or len(members) != 1:
-                raise Refusal("BAD_REQUEST", "tokenize takes exactly one member", "members")
-            ids = member_ids(members[0], 0, self.vocab, add_special)
-            return {"ids": ids, "count": len(ids)}
-        if op == "render":
-            members = p.get("members")
-            if type(members) is not list or len(members) != 1 or type(members[0]) is not dict or "messages" not in members[0]:
-                raise Refusal("BAD_REQUEST", "render takes exactly one {messages} member", "members")
-            ids = member_ids(members[0], 0, self.vocab, False)
-            return {"text": self.vocab.render(members[0]["messages"]), "ids": ids, "count": len(ids)}
-        if op == "detokenize":
-            ids = p.get("ids")
-            if type(ids) is not list or any(type(t) is not int or not 0 <= t < self.vocab.size for t in ids):
-                raise Refusal("BAD_REQUEST", f"ids must be integers in [0, {self.vocab.size})", "ids")
-            return {"text": self.vocab.decode(ids), "count": len(ids)}
-        raise Refusal("BAD_REQUEST", f"unknown op {op!r}", "op")
-
     def start_generate(self, rid: int, p: dict) -> None:
-        sampling = parse_sampling(p, self.vocab.size)
-        prompts = parse_members(p, self.vocab, add_special_tokens=True)
-        ctx = self.runner.context_length
-        for i, ids in enumerate(prompts):
-            if not ids:
-                raise Refusal("BAD_REQUEST", "the prompt is empty after tokenization", f"members[{i}]", i)
-            if len(ids) + sampling.max_tokens > ctx:
-                raise Refusal("CONTEXT_EXCEEDED",
-                              f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} exceeds the "
-                              f"context window of {ctx} tokens", f"members[{i}]", i)
-        budget = p.get("max_prompt_tokens")
-        if budget is not None:
-            if type(budget) is not int or budget < 1:
-                raise Refusal("BAD_REQUEST", "max_prompt_tokens must be a positive integer", "max_prompt_tokens")
-            total = sum(len(ids) for ids in prompts)
-            if total > budget:
-                raise Refusal("PROMPT_BUDGET", f"the members hold {total} prompt tokens; the budget is {budget}",
-                              "members")
+        sampling, prompts = parse_generate(p, self.vocab, self.runner.context_length)
         req = Request(rid, sampling, prompts)
         for m, ids in enumerate(prompts):
             for c in range(sampling.n):
@@ -412,14 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefix-cache", action="store_true")
     args = ap.parse_args(argv)
 
-    # The protocol owns the real stdout; anything a library prints goes to stderr instead.
-    proto_fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    stdin = os.fdopen(os.dup(0), "rb", buffering=1 << 16)
-    out = Writer(proto_fd)
-    inbox: queue.Queue[Frame] = queue.Queue()
-    threading.Thread(target=read_loop, args=(stdin, inbox, out), daemon=True).start()
+    out, inbox = open_pipe()
 
     from .loader import ModelNotFound, load
     try:

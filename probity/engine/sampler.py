@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .sequence import Sampling, Sequence
+from .sequence import Sampling, Sequence, choice_seed
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -85,6 +85,5 @@ def new_generator(seed: int | None, choice: int) -> torch.Generator:
     if seed is None:
         g.seed()
     else:
-        # choice 0 uses the seed itself, so n=1 and the first of n choices agree
-        g.manual_seed((seed + choice * 0x9E3779B97F4A7C15) % 2**64)
+        g.manual_seed(choice_seed(seed, choice))
     return g

@@ -28,6 +28,12 @@ class Sampling:
     echo: bool = False
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of n: choice 0 uses the seed itself, so n=1 and the first of n
+    choices agree; the others are spread by the golden-ratio constant. In [0, 2^64)."""
+    return (seed + choice * 0x9E3779B97F4A7C15) % 2**64
+
+
 @dataclass
 class Request:
     id: int

@@ -107,3 +107,50 @@ def member_ids(m: Any, i: int, vocab: Vocab, add_special_tokens: bool) -> list[i
         except Exception as e:  # a template that raises (e.g. role order) is the request's fault
             raise _bad(where, f"the chat template refused these messages: {e}", i) from None
     raise _bad(where, "a member is one of {text}, {ids}, {messages}", i)
+
+
+def parse_generate(p: dict, vocab: Vocab, context_length: int) -> tuple[Sampling, list[list[int]]]:
+    """Everything a generate SUBMIT must pass before ACCEPT: fields, members, context, budget."""
+    sampling = parse_sampling(p, vocab.size)
+    prompts = parse_members(p, vocab, add_special_tokens=True)
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise Refusal("BAD_REQUEST", "the prompt is empty after tokenization", f"members[{i}]", i)
+        if len(ids) + sampling.max_tokens > context_length:
+            raise Refusal("CONTEXT_EXCEEDED",
+                          f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} exceeds the "
+                          f"context window of {context_length} tokens", f"members[{i}]", i)
+    budget = p.get("max_prompt_tokens")
+    if budget is not None:
+        if type(budget) is not int or budget < 1:
+            raise Refusal("BAD_REQUEST", "max_prompt_tokens must be a positive integer", "max_prompt_tokens")
+        total = sum(len(ids) for ids in prompts)
+        if total > budget:
+            raise Refusal("PROMPT_BUDGET", f"the members hold {total} prompt tokens; the budget is {budget}",
+                          "members")
+    return sampling, prompts
+
+
+def run_op(op: str, p: dict, vocab: Vocab) -> dict:
+    """The non-generate ops (tokenize, render, detokenize): the tokenizer alone answers them."""
+    add_special = p.get("add_special_tokens", True)
+    if type(add_special) is not bool:
+        raise Refusal("BAD_REQUEST", "add_special_tokens must be a boolean", "add_special_tokens")
+    if op == "tokenize":
+        members = p.get("members")
+        if type(members) is not list or len(members) != 1:
+            raise Refusal("BAD_REQUEST", "tokenize takes exactly one member", "members")
+        ids = member_ids(members[0], 0, vocab, add_special)
+        return {"ids": ids, "count": len(ids)}
+    if op == "render":
+        members = p.get("members")
+        if type(members) is not list or len(members) != 1 or type(members[0]) is not dict or "messages" not in members[0]:
+            raise Refusal("BAD_REQUEST", "render takes exactly one {messages} member", "members")
+        ids = member_ids(members[0], 0, vocab, False)
+        return {"text": vocab.render(members[0]["messages"]), "ids": ids, "count": len(ids)}
+    if op == "detokenize":
+        ids = p.get("ids")
+        if type(ids) is not list or any(type(t) is not int or not 0 <= t < vocab.size for t in ids):
+            raise Refusal("BAD_REQUEST", f"ids must be integers in [0, {vocab.size})", "ids")
+        return {"text": vocab.decode(ids), "count": len(ids)}
+    raise Refusal("BAD_REQUEST", f"unknown op {op!r}", "op")

@@ -1,0 +1,59 @@
+"""The engine child's end of the pipe: frames out on the real stdout, frames in on a reader
+thread. Shared by every engine backend, so all of them fail closed the same way."""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+
+from .. import protocol as P
+from .loader import log
+
+
+class Writer:
+    """Frames to the server. A failed write means the server is gone: exit at once, silently."""
+
+    def __init__(self, fd: int):
+        self.f = os.fdopen(fd, "wb", buffering=0)
+        self.lock = threading.Lock()
+
+    def send(self, kind: str, rid: int, payload: dict) -> None:
+        data = P.encode(kind, rid, payload)
+        with self.lock:
+            try:
+                self.f.write(data)
+            except OSError:
+                os._exit(0)
+
+
+def read_loop(stream, inbox: queue.Queue, out: Writer) -> None:
+    """Reader thread: frames into the inbox. EOF on stdin means the server is gone: exit now,
+    even in the middle of loading or of a forward pass."""
+    reader = P.SyncReader(stream, "server")
+    try:
+        while True:
+            frame = reader.read()
+            if frame is None:
+                os._exit(0)
+            inbox.put(frame)
+    except P.ProtocolViolation as e:
+        log(f"protocol violation from server: {e}")
+        out.send("ERROR", 0, {"code": "PROTOCOL", "message": str(e)[:1000]})
+        os._exit(2)
+    except OSError:
+        os._exit(0)
+
+
+def open_pipe() -> tuple[Writer, queue.Queue]:
+    """Take the pipe over before anything else runs: the protocol owns the real stdout (fd 1
+    is pointed at stderr, so a library that prints cannot corrupt it), and stdin is watched
+    from the first moment, so a server that goes away while the model loads is noticed."""
+    proto_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    stdin = os.fdopen(os.dup(0), "rb", buffering=1 << 16)
+    out = Writer(proto_fd)
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=read_loop, args=(stdin, inbox, out), daemon=True).start()
+    return out, inbox
