@@ -6,6 +6,9 @@ import ipaddress
 import logging
 import os
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the folder holding the probity package
 
 
 def _loopback(host: str) -> bool:
@@ -61,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute every prompt from scratch (the cache changes no number, only speed)")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="engine crashes in a row (without a READY between) before the server stops restarting it")
+    s.add_argument("--backend", choices=["probity", "vllm"], default="probity",
+                   help="the engine: probity's own (one machine, bit-exact batch invariance) or vLLM "
+                        "(GPUs, tensor parallelism, Ray clusters; needs `make setup-vllm`; see docs/scale.md)")
+    s.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="vllm backend: shard the model over this many GPUs (default 1)")
+    s.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="vllm backend: one more vLLM engine argument (repeatable), e.g. dtype=bfloat16, "
+                        "enforce_eager=true, distributed_executor_backend=ray; the value is read as JSON if it parses")
+    s.add_argument("--vllm-python", default=os.environ.get("PROBITY_VLLM_PYTHON"),
+                   help="vllm backend: the interpreter that has vLLM (default: env PROBITY_VLLM_PYTHON, "
+                        "else .venv-vllm/bin/python beside this checkout, made by `make setup-vllm`)")
     s.add_argument("--engine-command", default=None,
                    help="run this command as the engine instead of probity's own (for protocol tests); "
                         "split on spaces")
@@ -77,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"probity: refusing to bind {args.host} without --api-key "
                  "(pass --allow-unauthenticated-remote to override)")
     from .engine.loader import ModelNotFound, resolve
+    if args.backend != "vllm" and (args.tensor_parallel_size or args.vllm_arg):
+        sys.exit("probity: --tensor-parallel-size and --vllm-arg need --backend vllm")
+    if args.backend == "vllm" and args.engine_command:
+        sys.exit("probity: --engine-command and --backend vllm exclude each other")
     if not args.engine_command:
         try:
             resolve(args.model)
@@ -99,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
                    "--kv-cache-gib", str(args.kv_cache_gib)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
     if args.threads:
         engine_args += ["--threads", str(args.threads)]
+    if args.backend == "vllm":
+        engine_command = vllm_command(args, engine_args)
+    else:
+        engine_command = args.engine_command.split() if args.engine_command else None
     config = Config(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
         queue_timeout=args.queue_timeout, accept_timeout=accept_timeout, frame_timeout=frame_timeout,
@@ -106,8 +128,36 @@ def main(argv: list[str] | None = None) -> None:
         allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
         limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
                       args.batch_completion_tokens),
-        engine_args=engine_args, engine_command=args.engine_command.split() if args.engine_command else None)
+        engine_args=engine_args, engine_command=engine_command)
     from .server.transport import DeadlineH11Protocol
 
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 http=DeadlineH11Protocol, limit_concurrency=args.max_connections, timeout_graceful_shutdown=10)
+
+
+def vllm_command(args, engine_args: list[str]) -> list[str]:
+    """The vLLM engine child: .venv-vllm's interpreter running probity.vllm_engine from this
+    checkout. vLLM reads Hugging Face folders, so a GGUF (the default model) is converted once,
+    by probity's own loader, into the same cached float32 folder probity's engine uses."""
+    from .engine.loader import converted_dir, resolve
+    from .vllm_engine.config import BadArg, parse_pairs
+
+    try:
+        parse_pairs(args.vllm_arg)
+    except BadArg as e:
+        sys.exit(f"probity: {e}")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        sys.exit("probity: --tensor-parallel-size must be at least 1")
+    python = Path(args.vllm_python) if args.vllm_python else ROOT / ".venv-vllm" / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        sys.exit(f"probity: --backend vllm needs vLLM, and {python} does not exist: run `make setup-vllm` "
+                 "(or point --vllm-python / PROBITY_VLLM_PYTHON at an interpreter that has vLLM)")
+    path, model_id = resolve(args.model)
+    folder = converted_dir(path)[0] if path.is_file() else path
+    # the child imports probity from this checkout, whatever its interpreter has installed
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    cmd = [str(python), "-m", "probity.vllm_engine", "--model", str(folder), "--model-id", model_id, *engine_args,
+           "--tensor-parallel-size", str(args.tensor_parallel_size or 1)]
+    for pair in args.vllm_arg:
+        cmd += ["--vllm-arg", pair]
+    return cmd

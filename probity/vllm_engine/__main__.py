@@ -1,0 +1,3 @@
+from .engine import main
+
+main()
