@@ -125,13 +125,16 @@ class VllmEngine:
     def run(self) -> None:
         self.out.send("READY", 0, self.ready())
         while True:
-            if not self.requests:
+            busy = bool(self.requests)
+            if not busy:
                 if self.shutting_down:
                     os._exit(0)
                 self.handle(self.inbox.get())
             self.poll()
             if self.requests:
                 self.step()
+            if self.requests or busy:
+                # fresh once the engine goes idle, whatever made it idle (done, cancelled)
                 self.maybe_stats(became_idle=not self.requests)
 
     def poll(self) -> None:
