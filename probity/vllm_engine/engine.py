@@ -166,7 +166,8 @@ class VllmEngine:
         if now - self.last_stats < STATS_EVERY and not became_idle:
             return
         stats = {
-            "active": sum(1 for r in self.requests.values() for q in r.seqs if not q.finished),
+            # vLLM's own count: a sequence probity gave up on but vLLM still runs shows here
+            "active": self.llm.get_num_unfinished_requests(),
             "tokens_per_s": self.tokens_since_stats / max(now - self.last_stats, 1e-6), "steps": self.steps,
             "prompt_tokens_computed": self.prompt_tokens_computed, "generated_tokens": self.generated_tokens}
         if self.prefix_caching:
