@@ -137,6 +137,6 @@ def tiny_hf(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def default_server():
-    s = LiveServer([], startup=600)
+    s = LiveServer(["--threads", "1"], startup=600)  # torch's default threads thrash on a shared 2-core box
     yield s
     s.stop()

@@ -114,15 +114,19 @@ def test_tables_are_sorted_hold_the_token_with_the_identical_float(vllm_server):
         assert vals == sorted(vals, reverse=True) and len(table) in (4, 5)
 
 
-def test_generated_eos_has_its_entry(vllm_server):
-    r = vllm_server.post("/v1/chat/completions", json={
-        "model": MODEL_ID, "messages": [{"role": "user", "content": "What is the capital of France? One word."}],
-        "max_tokens": 40, "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()
+def test_generated_eos_has_its_entry_like_probity_engine(vllm_server, default_server):
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "What is the capital of France? One word."}],
+            "max_tokens": 40, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    r = vllm_server.post("/v1/chat/completions", json=body).json()
+    ref = default_server.post("/v1/chat/completions", json=body).json()["choices"][0]
     c = r["choices"][0]
-    last = c["logprobs"]["content"][-1]
+    content, last = c["logprobs"]["content"], c["logprobs"]["content"][-1]
     assert c["finish_reason"] == "stop" and "Paris" in c["message"]["content"]
     assert last["token"] == "<|im_end|>" and last["bytes"] == list(b"<|im_end|>") and last["logprob"] < 0
-    assert r["usage"]["completion_tokens"] == len(c["logprobs"]["content"])
+    assert "<|im_end|>" not in c["message"]["content"] and c["message"]["content"] == ref["message"]["content"]
+    assert r["usage"]["completion_tokens"] == len(content)
+    assert [t["token"] for t in content] == [t["token"] for t in ref["logprobs"]["content"]]
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(content, ref["logprobs"]["content"])) <= TOL
 
 
 def test_stop_string_cuts_like_probity_engine(vllm_server, default_server):

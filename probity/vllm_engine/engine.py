@@ -307,7 +307,8 @@ class VllmEngine:
         self.tokens_since_stats += 1
         entry = self.entry(t, lp, s.logprobs)
         if t in self.vocab.eos_ids:
-            self.emit(req, q, q.stop_text.flush() + [entry])
+            # reported like every generated token, flagged so the server keeps it out of the text
+            self.emit(req, q, q.stop_text.flush() + [{**entry, "eos": True}])
             q.finish_reason = "stop"
             return
         released, matched = q.stop_text.push(entry, self.vocab.token_bytes[t])
