@@ -103,6 +103,17 @@ def test_greedy_generation_agrees_with_probity_engine(vllm_server, default_serve
     assert worst <= TOL, worst
 
 
+def test_token_id_prompts_and_a_one_token_echo(vllm_server, default_server):
+    ids = vllm_server.post("/tokenize", json={"model": MODEL_ID, "prompt": PROMPTS[0]}).json()["tokens"]
+    for prompt in (ids, ids[:1]):
+        body = dict(prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+        a, b = complete(vllm_server, **body)["choices"][0], complete(default_server, **body)["choices"][0]
+        assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["token_logprobs"][0] is None and len(a["logprobs"]["tokens"]) == len(prompt) + 3
+        assert max(abs(x - y) for x, y in zip(a["logprobs"]["token_logprobs"][1:],
+                                              b["logprobs"]["token_logprobs"][1:])) <= TOL
+
+
 def test_tables_are_sorted_hold_the_token_with_the_identical_float(vllm_server):
     c = complete(vllm_server, prompt=PROMPTS[1], max_tokens=8, echo=True, logprobs=4, temperature=1.0, seed=3)
     c = c["choices"][0]

@@ -122,7 +122,7 @@ def load(model_arg: str) -> Loaded:
     if path.is_file():
         folder, digest = converted_dir(path)
     else:
-        folder, digest = path, _folder_digest(path)
+        folder, digest = path, folder_digest(path)
     log(f"loading {model_id} from {folder}")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,7 +137,7 @@ def load(model_arg: str) -> Loaded:
     return Loaded(model, tok, model_id, str(path), digest)
 
 
-def _folder_digest(folder: Path) -> str:
+def folder_digest(folder: Path) -> str:
     """A cheap identity for a model folder: hash of its config and weight file sizes/names."""
     h = hashlib.sha256()
     for p in sorted(folder.iterdir()):

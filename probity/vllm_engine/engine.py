@@ -18,54 +18,18 @@ import queue
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 
 from .. import protocol as P
-from ..engine.loader import file_sha256, log, _folder_digest
+from ..engine.loader import folder_digest, log
 from ..engine.pipe import Writer, open_pipe
 from ..engine.sequence import Sampling, StopText, choice_seed
 from ..engine.submit import Refusal, parse_generate, run_op
 from ..engine.vocab import Vocab
 from . import config
+from .request import Req, Seq
 
 ECHO_CHUNK = 256
 STATS_EVERY = 1.0
-
-
-@dataclass
-class Seq:
-    """One member x one choice: one vLLM request."""
-    member: int
-    choice: int
-    vid: str
-    prompt: list[int]
-    stop_text: StopText
-    echo: bool                       # this sequence carries its member's ECHO (choice 0)
-    generated: int = 0
-    echo_sent: int = 0               # prompt positions already sent
-    finish_reason: str | None = None
-    stop_matched: str | None = None
-    cached_tokens: int = 0
-    held: list[dict] = field(default_factory=list)  # tokens waiting for the member's ECHO
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Req:
-    id: int
-    sampling: Sampling
-    prompts: list[list[int]]
-    seqs: list[Seq] = field(default_factory=list)
-    t_accept: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-    echo_done: set = field(default_factory=set)   # members whose ECHO is complete
-
-    @property
-    def finished(self) -> bool:
-        return all(q.finished for q in self.seqs)
 
 
 class VllmEngine:
@@ -268,7 +232,14 @@ class VllmEngine:
             if hit is None:
                 continue  # a sequence already finished by a stop string or cancelled
             req, q = hit
-            self.on_output(req, q, o)
+            try:
+                self.on_output(req, q, o)
+            except Exception as e:  # this request's output made no sense: fail it, not the engine
+                log(f"request {req.id} failed: {traceback.format_exc()}")
+                self.requests.pop(req.id, None)
+                self.release(req)
+                self.refuse(req.id, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
+                continue
             if q.finished:
                 self.by_vid.pop(q.vid, None)
                 if not o.finished:
@@ -347,6 +318,8 @@ class VllmEngine:
         q.echo_sent += len(positions)
 
     def finish_echo(self, req: Req, q: Seq) -> None:
+        if q.echo_sent == 0:
+            self.send_echo(req, q, [None])  # a one-token prompt: only the unconditioned position 0
         if q.echo_sent != len(q.prompt):
             raise RuntimeError(f"vLLM returned {q.echo_sent} prompt positions for a prompt of {len(q.prompt)}")
         req.echo_done.add(q.member)
@@ -395,7 +368,7 @@ def _model_identity(folder: str) -> tuple[str, str]:
     if marker.is_file():
         info = json.loads(marker.read_text())
         return info["sha256"], info["gguf"]
-    return _folder_digest(Path(folder)), folder
+    return folder_digest(Path(folder)), folder
 
 
 def main(argv: list[str] | None = None) -> None:
