@@ -40,8 +40,8 @@ def vllm_server():
             pytest.fail("CI must have .venv-vllm: `make test` runs `make setup-vllm` first")
         pytest.skip("vLLM is not set up here: run `make setup-vllm`")
     # enforce_eager skips torch.compile: a cold start in seconds instead of minutes, same kernels' math
-    s = LiveServer(["--backend", "vllm", "--threads", "1", "--vllm-arg", "enforce_eager=true"],
-                   env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup=600)
+    s = LiveServer(["--backend", "vllm", "--threads", "1", "--kv-cache-gib", "1", "--vllm-arg", "enforce_eager=true"],
+                   startup=600)
     yield s
     s.stop()
 

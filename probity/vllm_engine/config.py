@@ -56,8 +56,14 @@ def parse_pairs(pairs: list[str]) -> dict:
     return out
 
 
-def engine_kwargs(model_dir: str, tensor_parallel_size: int, max_running: int, extra: dict) -> dict:
-    return {**DEFAULTS, "max_num_seqs": max_running, **extra,
+def engine_kwargs(model_dir: str, tensor_parallel_size: int, max_running: int, step_tokens: int,
+                  kv_cache_gib: float, extra: dict) -> dict:
+    """probity's own flags map onto vLLM's names: --max-running is max_num_seqs, --step-tokens the
+    per-step token budget (max_num_batched_tokens), --kv-cache-gib the KV cache per device
+    (kv_cache_memory_bytes, which makes vLLM ignore gpu_memory_utilization; pass
+    --vllm-arg kv_cache_memory_bytes=null to size it by gpu_memory_utilization instead)."""
+    return {**DEFAULTS, "max_num_seqs": max_running, "max_num_batched_tokens": step_tokens,
+            "kv_cache_memory_bytes": int(kv_cache_gib * 2**30), **extra,
             "model": model_dir, "tokenizer": model_dir, "tensor_parallel_size": tensor_parallel_size,
             "logprobs_mode": "raw_logprobs", "max_logprobs": 33, "generation_config": "vllm"}
 

@@ -378,7 +378,9 @@ def main(argv: list[str] | None = None) -> None:
                                  description="probity's vLLM engine backend (speaks the pipe on stdin/stdout)")
     ap.add_argument("--model", required=True, help="a Hugging Face model folder (a GGUF is converted by the server)")
     ap.add_argument("--model-id", required=True)
-    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--step-tokens", type=int, default=512)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--vllm-arg", action="append", default=[])
@@ -408,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.monotonic()
     log(f"starting vLLM {vllm.__version__} on {args.model}")
     try:
-        kwargs = config.engine_kwargs(args.model, args.tensor_parallel_size, args.max_running, extra)
+        kwargs = config.engine_kwargs(args.model, args.tensor_parallel_size, args.max_running,
+                                      args.step_tokens, args.kv_cache_gib, extra)
         llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     except Exception as e:
