@@ -245,6 +245,72 @@ def test_zz_engine_dies_with_the_server(vllm_server):
           f"generated {MEASURED['generated']:.3g}")
 
 
+# ---------------------------------------------------------------- the engine child on its own pipe
+
+class EngineChild:
+    """An engine child spoken to directly over its pipe, as the server would."""
+
+    def __init__(self, cmd: list[str]):
+        from probity import protocol as P
+
+        self.P = P
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.reader = P.SyncReader(self.proc.stdout, "engine")
+
+    def frame(self, skip=("STATS",)):
+        while True:
+            f = self.reader.read()
+            if f is None or f.kind not in skip:
+                return f
+
+    def send(self, kind: str, rid: int, payload: dict) -> None:
+        self.proc.stdin.write(self.P.encode(kind, rid, payload))
+        self.proc.stdin.flush()
+
+
+BAD_SUBMITS = [
+    ({"op": "generate", "members": [{"text": "hi"}], "temperature": 5}, "temperature"),
+    ({"op": "generate", "members": [{"text": "hi"}], "stop": [""]}, "stop"),
+    ({"op": "generate", "members": [{"text": "hi"}, {"ids": [10**9]}]}, "members[1]"),
+    ({"op": "generate", "members": [{"text": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"op": "detokenize", "ids": [-1]}, "ids"),
+]
+
+
+def test_zzz_ready_is_truthful_refusals_match_and_stdin_eof_ends_the_engine(vllm_server):
+    """After the module's server is gone (one vLLM process at a time): the vLLM child's READY
+    declares what it cannot promise, its refusals equal probity's engine's frame for frame, and
+    it exits as soon as its stdin closes."""
+    from probity.engine.loader import converted_dir, default_model_path
+
+    assert vllm_server.proc.poll() is not None
+    folder = str(converted_dir(default_model_path())[0])
+    ours = EngineChild([str(VLLM_PYTHON), "-m", "probity.vllm_engine", "--model", folder, "--model-id", MODEL_ID,
+                        "--threads", "1", "--kv-cache-gib", "1", "--vllm-arg", "enforce_eager=true"])
+    theirs = EngineChild([sys.executable, "-m", "probity.engine", "--threads", "1"])
+    try:
+        ready, ref = ours.frame().payload, theirs.frame().payload
+        caps = ready["capabilities"]
+        assert (caps["batch_invariant"], caps["prefix_cache"]) == (False, False)
+        assert {k: v for k, v in caps.items() if k not in ("batch_invariant", "prefix_cache")} == \
+            {k: v for k, v in ref["capabilities"].items() if k not in ("batch_invariant", "prefix_cache")}
+        for k in ("id", "vocab_size", "eos_token_ids", "bos_token", "eos_token", "pad_token", "chat_template",
+                  "context_length", "dtype"):
+            assert ready["model"][k] == ref["model"][k], k
+        for rid, (payload, param) in enumerate(BAD_SUBMITS, start=1):
+            ours.send("SUBMIT", rid, payload)
+            theirs.send("SUBMIT", rid, payload)
+            a, b = ours.frame(), theirs.frame()
+            assert (a.kind, a.payload) == (b.kind, b.payload) and a.payload["param"] == param, (a, b)
+        ours.proc.stdin.close()
+        assert ours.proc.wait(10) == 0 and ours.frame() is None  # nothing written after EOF
+    finally:
+        for child in (ours, theirs):
+            child.proc.kill()
+            child.proc.wait()
+
+
 # ---------------------------------------------------------------- startup errors (no vLLM needed)
 
 def serve_exits(*args: str, env: dict | None = None) -> str:
