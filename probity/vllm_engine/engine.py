@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--no-prefix-cache", action="store_true", help="keep vLLM's prefix cache off whatever --vllm-arg says")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--vllm-arg", action="append", default=[])
@@ -392,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     except config.BadArg as e:
         log(f"error: {e}")
         os._exit(3)
+    if args.no_prefix_cache:
+        extra["enable_prefix_caching"] = False
     config.set_environment(args.threads)
     try:
         import vllm
