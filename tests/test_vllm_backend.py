@@ -219,15 +219,13 @@ def test_client_disconnect_aborts_the_vllm_request(vllm_server):
             if line.startswith("data: "):
                 break  # one token arrived: the sequence runs in vLLM; now hang up
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # until the engine has answered the CANCEL
         h = vllm_server.get("/health").json()
-        if h["engine"]["in_flight"] == 0 and h["engine"]["stats"].get("active") == 0 and h["active"] == 0:
+        if h["engine"]["in_flight"] == 0 and h["engine"]["abandoned"] == 0:
             break
-        time.sleep(0.2)
-    assert h["engine"]["stats"]["active"] == 0, h
-    generated = h["engine"]["stats"]["generated_tokens"]
-    time.sleep(1.5)  # an aborted sequence would keep generating (and reporting) tokens
-    assert vllm_server.get("/health").json()["engine"]["stats"]["generated_tokens"] == generated
+        time.sleep(0.05)
+    # the engine's idle STATS precedes its answer: vLLM itself holds nothing any more
+    assert h["engine"]["abandoned"] == 0 and h["engine"]["stats"]["active"] == 0, h
     assert complete(vllm_server, prompt="Hi", max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 

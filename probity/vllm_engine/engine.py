@@ -89,17 +89,14 @@ class VllmEngine:
     def run(self) -> None:
         self.out.send("READY", 0, self.ready())
         while True:
-            busy = bool(self.requests)
-            if not busy:
+            if not self.requests:
                 if self.shutting_down:
                     os._exit(0)
                 self.handle(self.inbox.get())
             self.poll()
             if self.requests:
                 self.step()
-            if self.requests or busy:
-                # fresh once the engine goes idle, whatever made it idle (done, cancelled)
-                self.maybe_stats(became_idle=not self.requests)
+                self.maybe_stats(became_idle=False)
 
     def poll(self) -> None:
         while True:
@@ -124,6 +121,13 @@ class VllmEngine:
         if r.member is not None:
             payload["member"] = r.member
         self.out.send("ERROR", rid, payload)
+
+    def answer(self, rid: int, kind: str, payload: dict) -> None:
+        """A request's terminal frame. When it leaves the engine idle, the idle STATS goes first,
+        so a server that has seen the answer has seen the figures it left behind."""
+        if not self.requests:
+            self.maybe_stats(became_idle=True)
+        self.out.send(kind, rid, payload)
 
     def maybe_stats(self, became_idle: bool) -> None:
         now = time.monotonic()
@@ -206,7 +210,7 @@ class VllmEngine:
         if req is None:
             return  # already answered; the server drops anything late
         self.release(req)
-        self.out.send("ERROR", rid, {"code": "CANCELLED", "message": "cancelled by the server"})
+        self.answer(rid, "ERROR", {"code": "CANCELLED", "message": "cancelled by the server"})
 
     def release(self, req: Req) -> None:
         live = [q.vid for q in req.seqs if q.vid in self.by_vid]
@@ -238,7 +242,7 @@ class VllmEngine:
                 log(f"request {req.id} failed: {traceback.format_exc()}")
                 self.requests.pop(req.id, None)
                 self.release(req)
-                self.refuse(req.id, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
+                self.answer(req.id, "ERROR", {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"[:8000]})
                 continue
             if q.finished:
                 self.by_vid.pop(q.vid, None)
@@ -348,7 +352,7 @@ class VllmEngine:
             self.prefix_hit_tokens += cached
         now = time.monotonic()
         first = req.t_first or now
-        self.out.send("DONE", req.id, {
+        self.answer(req.id, "DONE", {
             "choices": [{"member": q.member, "choice": q.choice, "finish_reason": q.finish_reason,
                          "stop": q.stop_matched, "completion_tokens": q.generated} for q in req.seqs],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(q.generated for q in req.seqs),
