@@ -33,6 +33,16 @@ def test_api_key_from_env_guards_every_route_but_health(keyed):
     assert keyed.get("/health").status_code == 200
 
 
+def test_auth_refusals_are_logged(keyed):
+    r = keyed.post("/v1/completions", json={}, headers={"x-request-id": "auth-refused-1"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    deadline = time.monotonic() + 10
+    while "request_id=auth-refused-1 " not in keyed.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = next(l for l in keyed.log_path.read_text().splitlines() if "request_id=auth-refused-1 " in l)
+    assert "method=POST path=/v1/completions status=401 code=invalid_api_key" in line
+
+
 def test_cors_only_for_configured_origins(keyed):
     h = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
          "Access-Control-Request-Headers": "x-api-key,content-type"}
@@ -101,6 +111,34 @@ def test_trickled_body_gets_408(tiny_model_dir):
                 if not chunk:
                     break
                 data += chunk
+            # the unread rest of the body cannot be taken for a next request: the server closes
+            t_answer = time.monotonic()
+            while chunk:
+                chunk = c.recv(65536)
+            assert time.monotonic() - t_answer < 2.5  # not at the keep-alive expiry, 5 s later
         assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data
+    finally:
+        s.stop()
+
+
+def test_allowed_host_flag_replaces_the_default_list(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--allowed-host", "Models.Example",
+                    "--allowed-host", "127.0.0.1"])
+    try:
+        assert s.get("/v1/models", headers={"Host": "models.example:8080"}).status_code == 200
+        # `localhost` is in the default list, which the flag replaces
+        r = s.get("/v1/models", headers={"Host": f"localhost:{s.port}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    finally:
+        s.stop()
+
+
+def test_allow_unauthenticated_remote_overrides_the_bind_refusal(tiny_model_dir):
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--host", "0.0.0.0",
+                    "--allow-unauthenticated-remote"])
+    try:
+        # bound to every interface without a key: served, and any Host is accepted
+        r = s.get("/v1/models", headers={"Host": "any.example"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == TINY_ID
     finally:
         s.stop()

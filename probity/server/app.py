@@ -1,12 +1,12 @@
 """The ASGI application: middleware (request id, auth, body cap), routes, the shared service."""
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import logging
+import re
 import time
 import uuid
+from urllib.parse import quote
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from . import inspector
 from .admission import Admission
+from .body import read_json
 from .engine_client import EngineClient
 from .errors import APIError
 from .generation import ClientGone
@@ -69,40 +70,6 @@ class Service:
         return self.engine.ready_info
 
 
-async def read_json(request: Request, cap: int, deadline: float = 30.0) -> dict:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise APIError("request_too_large", f"request body exceeds {cap} bytes")
-    chunks: list[bytes] = []
-
-    async def read() -> None:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise APIError("request_too_large", f"request body exceeds {cap} bytes")
-            chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(read(), deadline)
-    except asyncio.TimeoutError:
-        raise APIError("request_timeout", f"the request body did not arrive within {deadline:g}s") from None
-    raw = b"".join(chunks)
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
-    except UnicodeDecodeError:
-        raise APIError("invalid_json", "the request body is not valid UTF-8") from None
-    except ValueError as e:
-        raise APIError("invalid_json", f"the request body is not valid JSON: {e}") from None
-    if type(body) is not dict:
-        raise APIError("invalid_body", "the request body must be a JSON object")
-    return body
-
-
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def create_app(config: Config) -> FastAPI:
     svc = Service(config)
 
@@ -120,6 +87,8 @@ def create_app(config: Config) -> FastAPI:
                               "Field-by-field contract: docs/api.md.")
     app.state.svc = svc
     svc.metrics.routes = app.router.routes
+    # `/v1/completions/` is not a route: a 404 in the envelope, not a 307 with an empty body.
+    app.router.redirect_slashes = False
 
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -175,14 +144,14 @@ def create_app(config: Config) -> FastAPI:
                           openapi_extra={"requestBody": {"required": True, "content": {
                               "application/json": {"schema": schema}}}})
 
-    @app.get("/tokenizer_info")
+    @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
     async def tokenizer_info(request: Request):
         try:
             return JSONResponse(tokenizer_api.tokenizer_info(svc))
         except APIError as e:
             return e.response()
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         try:
             m = svc.ready_info()["model"]
@@ -190,7 +159,7 @@ def create_app(config: Config) -> FastAPI:
             return e.response()
         return {"object": "list", "data": [_model_card(m)]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         try:
             m = svc.ready_info()["model"]
@@ -200,7 +169,7 @@ def create_app(config: Config) -> FastAPI:
             return APIError("model_not_found", f"model '{model_id}' is not served here", "model").response()
         return _model_card(m)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         e = svc.engine
         body = {"status": "ok" if e.up else e.state, "engine": e.health(),
@@ -217,8 +186,9 @@ def create_app(config: Config) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         anthropic = request.url.path.startswith("/v1/messages")
-        if exc.status_code == 405:
-            return APIError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}").response(anthropic)
+        if exc.status_code == 405:  # Starlette names the route's methods in exc.headers["Allow"]
+            return APIError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}",
+                            headers=dict(exc.headers or {})).response(anthropic)
         return APIError("not_found", f"no route {request.method} {request.url.path}").response(anthropic)
 
     return app
@@ -235,19 +205,19 @@ class Envelope:
         if "*" in cfg.allowed_hosts:
             self.allowed = None
         elif cfg.allowed_hosts:
-            self.allowed = set(cfg.allowed_hosts)
+            self.allowed = {h.lower() for h in cfg.allowed_hosts}
         elif cfg.host in ("127.0.0.1", "localhost", "::1"):
             self.allowed = {"127.0.0.1", "localhost", "::1"}
         elif cfg.host in ("0.0.0.0", "::"):
             self.allowed = None  # every interface: the operator opted in to remote access and set a key
         else:
-            self.allowed = {cfg.host}
+            self.allowed = {cfg.host.lower()}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        rid = headers.get("x-request-id") or f"req_{uuid.uuid4().hex}"
+        rid = request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = rid  # request.state.request_id downstream
         path = scope["path"]
         anthropic = path.startswith("/v1/messages")
@@ -260,29 +230,52 @@ class Envelope:
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
             await send(message)
 
-        host = _hostname(headers.get("host", ""))
-        if self.allowed is not None and host not in self.allowed:
-            # DNS rebinding: a page on another name that resolves to us must not reach the API.
-            resp = APIError("invalid_host", f"Host {host!r} is not allowed; see --allowed-host").response(anthropic)
-            self.svc.metrics.refused(scope, "invalid_host", resp.status_code)
-            return await resp(scope, receive, send_with_id)
-        key = self.svc.config.api_key
-        # CORS preflights carry no credentials by design; the CORS layer answers them.
-        if key and path != "/health" and not inspector.is_public(path) and scope["method"] != "OPTIONS":
-            given = headers.get("x-api-key")
-            auth = headers.get("authorization", "")
-            if given is None and auth.lower().startswith("bearer "):
-                given = auth[7:].strip()
-            if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-                resp = APIError("invalid_api_key", "missing or wrong API key").response(anthropic)
-                self.svc.metrics.refused(scope, "invalid_api_key", resp.status_code)
-                return await resp(scope, receive, send_with_id)
+        refusal = self._refusal(headers, path, scope["method"])
+        if refusal is not None:
+            resp = refusal.response(anthropic)
+            self.svc.metrics.refused(scope, refusal.code, resp.status_code)
+            await resp(scope, receive, send_with_id)
+            log.info("request_id=%s method=%s path=%s status=%d code=%s duration_s=%.3f", rid, scope["method"],
+                     _log_safe(path), status[0], refusal.code, time.monotonic() - t0)
+            return
         try:
             await self.app(scope, receive, send_with_id)
         finally:
             self.svc.metrics.request(scope, status[0])
-            log.info("request_id=%s method=%s path=%s status=%d duration_s=%.3f", rid, scope["method"], path,
-                     status[0], time.monotonic() - t0)
+            log.info("request_id=%s method=%s path=%s status=%d duration_s=%.3f", rid, scope["method"],
+                     _log_safe(path), status[0], time.monotonic() - t0)
+
+    def _refusal(self, headers: dict, path: str, method: str) -> APIError | None:
+        """The Host guard and the API-key check, which answer before any route runs."""
+        host = _hostname(headers.get("host", "")).lower()  # host names are case-insensitive
+        if self.allowed is not None and host not in self.allowed:
+            # DNS rebinding: a page on another name that resolves to us must not reach the API.
+            return APIError("invalid_host", f"Host {host!r} is not allowed; see --allowed-host")
+        key = self.svc.config.api_key
+        # CORS preflights carry no credentials by design; the CORS layer answers them.
+        if key and path != "/health" and not inspector.is_public(path) and method != "OPTIONS":
+            given = headers.get("x-api-key")
+            auth = headers.get("authorization", "")
+            if given is None and auth.lower().startswith("bearer "):
+                given = auth[7:].strip()
+            if given is None or not hmac.compare_digest(given.encode("latin-1"), key.encode()):
+                return APIError("invalid_api_key", "missing or wrong API key")
+        return None
+
+
+# A client's x-request-id is echoed and logged only if it is plainly an id; anything else
+# (spaces, '=', quotes, control or non-ASCII characters, overlong) is replaced, so a client
+# can neither add fields to a log line nor get back bytes it did not send.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+-]{1,128}")
+
+
+def request_id(given: str | None) -> str:
+    return given if given is not None and _REQUEST_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+
+
+def _log_safe(path: str) -> str:
+    """The request path as one log field: percent-encoded, so it holds no space or '='."""
+    return quote(path, safe="/-._~:")
 
 
 def _hostname(host: str) -> str:

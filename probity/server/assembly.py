@@ -25,16 +25,12 @@ def own_label(b: bytes) -> str:
         return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
 
-def entry_bytes(e: dict) -> bytes:
-    b = bytes.fromhex(e["bytes"])
-    return b[: e["keep"]] if "keep" in e else b
-
-
 @dataclass
 class Piece:
     """One token position, ready for any of the response shapes."""
     id: int
-    raw: bytes          # the token's exact bytes (cut by `keep` at a stop string)
+    token: bytes        # the token's exact bytes
+    raw: bytes          # the part of them in the text (cut by `keep` at a stop string)
     text: str           # its contribution to the text
     logprob: float | None
     top: list | None    # [[id, hex, logprob], ...] sorted, or None
@@ -56,12 +52,13 @@ class TextBuilder:
         self.pieces: list[Piece] = []
 
     def feed(self, e: dict, conditioned: bool = True) -> Piece:
-        raw = entry_bytes(e)
+        token = bytes.fromhex(e["bytes"])
+        raw = token[: e["keep"]] if "keep" in e else token
         if e.get("eos"):
             self.finish()  # an incomplete character before EOS ends as U+FFFD in the text, not in EOS
-            p = Piece(e["id"], raw, "", e["logprob"], e.get("top"), conditioned, eos=True)
+            p = Piece(e["id"], token, raw, "", e["logprob"], e.get("top"), conditioned, eos=True)
         else:
-            p = Piece(e["id"], raw, self.dec.decode(raw), e["logprob"], e.get("top"), conditioned)
+            p = Piece(e["id"], token, raw, self.dec.decode(raw), e["logprob"], e.get("top"), conditioned)
         self.pieces.append(p)
         return p
 
@@ -137,5 +134,6 @@ def chat_logprobs(pieces: list[Piece]) -> list[dict]:
     for p in pieces:
         top = [{"token": own_label(bytes.fromhex(h)), "logprob": lp, "bytes": list(bytes.fromhex(h))}
                for _, h, lp in (p.top or [])]
-        out.append({"token": own_label(p.raw), "logprob": p.logprob, "bytes": list(p.raw), "top_logprobs": top})
+        # the token itself, also when a stop string cut its text: `bytes` are the token's
+        out.append({"token": own_label(p.token), "logprob": p.logprob, "bytes": list(p.token), "top_logprobs": top})
     return out

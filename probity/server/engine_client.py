@@ -313,10 +313,12 @@ class EngineClient:
             raise self.unavailable()
         rid = self.next_id
         self.next_id += 1
+        # Encode before the channel exists: a payload that cannot become a frame leaves nothing behind.
+        frame = P.encode("SUBMIT", rid, payload)
         ch = Channel(rid, members, choices, echo)
         self.channels[rid] = ch
         try:
-            await self._write(P.encode("SUBMIT", rid, payload))
+            await self._write(frame)
         except APIError:
             self.channels.pop(rid, None)
             raise

@@ -26,6 +26,7 @@ CODES: dict[str, tuple[int, str, str]] = {
     "invalid_host": (400, "invalid_request_error", "invalid_request_error"),
     "request_timeout": (408, "invalid_request_error", "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error", "request_too_large"),
+    "unsupported_media_type": (415, "invalid_request_error", "invalid_request_error"),
     "queue_full": (429, "rate_limit_error", "rate_limit_error"),
     "queue_timeout": (429, "rate_limit_error", "rate_limit_error"),
     "engine_error": (500, "server_error", "api_error"),
@@ -35,11 +36,17 @@ CODES: dict[str, tuple[int, str, str]] = {
 }
 
 
+def _text(s: str | None) -> str | None:
+    """An error that quotes client input must still encode: lone surrogates become escapes."""
+    return s if s is None or s.isascii() else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
     def __init__(self, code: str, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None):
         if code not in CODES:
             raise ValueError(f"undocumented error code {code}")
+        message, param = _text(message), _text(param)
         super().__init__(message)
         self.code = code
         self.message = message

@@ -95,6 +95,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict)
     streams = [_ChoiceStream() for _ in range(n)]
     echo: list[dict] = []
     echo_sent = not req.echo
+    no_usage = {"usage": None} if req.include_usage else {}  # as OpenAI: every chunk but the last says null
 
     def chunk(ci: int, pieces: list, finish: str | None = None) -> bytes:
         s = streams[ci]
@@ -104,7 +105,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict)
             lp = completion_logprobs(pieces, s.offset, req.token_ids_labels).as_dict()
         s.offset += len(text)
         return sse({**meta, "object": "text_completion",
-                    "choices": [{"index": ci, "text": text, "logprobs": lp, "finish_reason": finish}]})
+                    "choices": [{"index": ci, "text": text, "logprobs": lp, "finish_reason": finish}], **no_usage})
 
     try:
         async for f in gen.frames():
@@ -178,13 +179,14 @@ def _chat_lp(pieces: list, k: int) -> list[dict]:
 async def stream_chat(gen: Generation, req, meta: dict, k: int | None):
     n = req.sampling.n
     streams = [_ChoiceStream() for _ in range(n)]
+    no_usage = {"usage": None} if req.include_usage else {}
 
     def chunk(ci: int, delta: dict, pieces: list | None = None, finish: str | None = None) -> bytes:
         lp = None
         if k is not None and pieces:
             lp = {"content": _chat_lp(pieces, k), "refusal": None}
         return sse({**meta, "object": "chat.completion.chunk",
-                    "choices": [{"index": ci, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
+                    "choices": [{"index": ci, "delta": delta, "logprobs": lp, "finish_reason": finish}], **no_usage})
 
     try:
         for ci in range(n):

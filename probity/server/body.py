@@ -1,0 +1,107 @@
+"""The request body: read under a size cap and a deadline, parse as strict JSON, and check
+that it is text a tokenizer and the pipe can carry. Every endpoint reads its body here, so
+hostile bytes are refused once, by name, before any validation or engine work."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from starlette.requests import Request
+
+from .errors import APIError
+
+MAX_DEPTH = 64  # nesting levels of arrays/objects; the deepest real body (messages[i].content[j]) has 4
+# The rest of an unread body would be taken for the next request: answer and close, so
+# the client sees the end at the deadline rather than when keep-alive expires.
+_CLOSE = {"Connection": "close"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+async def read_json(request: Request, cap: int, deadline: float = 30.0) -> dict:
+    _check_media_type(request.headers.get("content-type"))
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise APIError("request_too_large", f"request body exceeds {cap} bytes", headers=_CLOSE)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise APIError("request_too_large", f"request body exceeds {cap} bytes", headers=_CLOSE)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), deadline)
+    except asyncio.TimeoutError:
+        raise APIError("request_timeout", f"the request body did not arrive within {deadline:g}s",
+                       headers=_CLOSE) from None
+    return parse(b"".join(chunks))
+
+
+def parse(raw: bytes) -> dict:
+    """Strict JSON (no NaN/Infinity, no duplicate keys) holding a JSON object of text."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError:
+        raise APIError("invalid_json", "the request body is not valid UTF-8") from None
+    except RecursionError:
+        raise APIError("invalid_body", f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:
+        raise APIError("invalid_json", f"the request body is not valid JSON: {e}") from None
+    if type(body) is not dict:
+        raise APIError("invalid_body", "the request body must be a JSON object")
+    check_text(body)
+    return body
+
+
+def check_text(body: dict) -> None:
+    """Refuse lone UTF-16 surrogates (valid JSON escapes, but not text: no tokenizer, log or
+    pipe can encode them) in any key or string, naming where; and bound the nesting depth.
+    Iterative, so a hostile depth cannot exhaust the stack here."""
+    stack: list[tuple[object, str, int]] = [(body, "", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if type(v) is str:
+            if _SURROGATE.search(v):
+                raise APIError("invalid_value", f"'{path}' holds a lone UTF-16 surrogate, which is not text", path)
+        elif type(v) is dict or type(v) is list:
+            if depth >= MAX_DEPTH:
+                raise APIError("invalid_body", f"the request body nests deeper than {MAX_DEPTH} levels")
+            if type(v) is dict:
+                items = []
+                for k, x in v.items():
+                    if _SURROGATE.search(k):
+                        key = k.encode("utf-8", "backslashreplace").decode()
+                        raise APIError("invalid_value", f"the key '{key}' holds a lone UTF-16 surrogate, which is not text",
+                                       f"{path}.{key}" if path else key)
+                    items.append((x, f"{path}.{k}" if path else k, depth + 1))
+            else:
+                items = [(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
+            stack.extend(reversed(items))  # first problem in document order is the one named
+
+
+def _check_media_type(content_type: str | None) -> None:
+    # No Content-Type is read as JSON (curl without -H); a declared non-JSON type is refused
+    # rather than parsed as if it were JSON.
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError("unsupported_media_type",
+                       f"the request body must be application/json, not {media or 'an empty type'!r}")
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k.encode('utf-8', 'backslashreplace').decode()!r}")
+        out[k] = v
+    return out
