@@ -5,6 +5,9 @@ penalty, bias, temperature, top-k or top-p. Sampling then works on a processed c
 """
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import torch
 
 from .sequence import Sampling, Sequence, choice_seed
@@ -80,10 +83,27 @@ def sample(logits: torch.Tensor, seq: Sequence) -> int:
     return pick if order is None else int(order[pick])
 
 
+_MT_N = 624
+_STATE_BYTES = 5056  # torch's CPU generator state: {u64 seed; i32 left, seeded; u64 next; u64 mt[624]; ...}
+
+
 def new_generator(seed: int | None, choice: int) -> torch.Generator:
+    """The sampling stream of one choice. torch's own manual_seed keeps only 32 bits of a
+    seed; here all 64 are used: the Mersenne Twister state is numpy's
+    MT19937(SeedSequence(choice_seed(seed, choice))), positioned as numpy positions it,
+    so the stream is exactly that generator's (docs/api.md, `seed`)."""
     g = torch.Generator()
     if seed is None:
         g.seed()
-    else:
-        g.manual_seed(choice_seed(seed, choice))
+        return g
+    s = choice_seed(seed, choice)
+    key = np.random.SeedSequence(s).generate_state(_MT_N, np.uint32).astype("<u8")
+    key[0] = 0x80000000  # numpy's guard against an all-zero state
+    state = bytearray(g.get_state().numpy().tobytes())
+    if len(state) != _STATE_BYTES:
+        raise RuntimeError(f"unexpected torch generator state size {len(state)}")
+    # left=2, next=623: the next draw is mt[623] untwisted, then a twist, as numpy's pos=623
+    struct.pack_into("<QiiQ", state, 0, s, 2, 1, _MT_N - 1)
+    state[24:24 + 8 * _MT_N] = key.tobytes()
+    g.set_state(torch.frombuffer(state, dtype=torch.uint8).clone())
     return g
