@@ -112,3 +112,43 @@ def test_raw_healthy_stream_has_the_exact_event_order(tiny_server):
     assert names[:3] == ["message_start", "content_block_start", "ping"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) <= {"content_block_delta", "ping"} and "content_block_delta" in names
+
+
+def test_assistant_prefill_is_continued(tiny_server, tiny_hf):
+    _, tok = tiny_hf
+    msgs = MSGS + [{"role": "assistant", "content": "Hello, the"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    m = tiny_server.post("/v1/messages", json={"model": TINY_ID, "max_tokens": 8, "messages": msgs,
+                                               "temperature": 0}).json()
+    ref = tiny_server.post("/v1/completions", json={"model": TINY_ID, "prompt": ids, "max_tokens": 8,
+                                                    "temperature": 0}).json()
+    assert m["usage"]["input_tokens"] == len(ids)
+    assert m["content"][0]["text"] == ref["choices"][0]["text"]  # the text after the prefill, as Anthropic returns
+    n = tiny_server.post("/v1/messages/count_tokens", json={"model": TINY_ID, "messages": msgs}).json()
+    assert n["input_tokens"] == len(ids)
+
+
+def test_prefill_ending_in_whitespace_is_refused_by_name(tiny_server):
+    msgs = MSGS + [{"role": "assistant", "content": "Hello "}]
+    r = tiny_server.post("/v1/messages", json={"model": TINY_ID, "max_tokens": 4, "messages": msgs})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("messages[1].content:")
+
+
+def test_a_template_that_cannot_continue_a_prefill_is_a_named_refusal(tiny_hf):
+    """A template that drops the final assistant message cannot continue it: the engine says
+    so by name (BAD_REQUEST on the member, which the server reports as `messages`)."""
+    import copy
+
+    from probity.engine.submit import Refusal, member_ids
+    from probity.engine.vocab import Vocab
+
+    tok = copy.deepcopy(tiny_hf[1])
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|im_start|>{{ m['role'] }}\n"
+                         "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant\n")
+    vocab = Vocab(tok, len(tok))
+    with pytest.raises(Refusal) as e:
+        member_ids({"messages": MSGS + [{"role": "assistant", "content": "Hello"}]}, 0, vocab, False)
+    assert (e.value.code, e.value.param) == ("BAD_REQUEST", "members[0]")
+    assert member_ids({"messages": MSGS}, 0, vocab, False)  # without a prefill it renders

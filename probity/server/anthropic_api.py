@@ -39,6 +39,12 @@ class MessagesRequest:
 
 def _messages_and_system(body: dict) -> list[dict]:
     messages = parse_messages(body.get("messages"), roles=("user", "assistant"), part_keys=("cache_control",))
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] != last["content"].rstrip():
+        # A final assistant message is a prefill the model continues; Anthropic refuses one
+        # ending in whitespace (templates may trim it, so the continuation would not follow it).
+        raise APIError("invalid_value", "final assistant content cannot end with trailing whitespace",
+                       f"messages[{len(messages) - 1}].content")
     system = body.get("system")
     if system is not None:
         messages.insert(0, {"role": "system", "content": text_content(system, "system", ("cache_control",))})
