@@ -48,10 +48,15 @@ def Num() -> Schema:
     return check
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def Str(max_len: int = 1 * MiB) -> Schema:
     def check(v: Any, path: str) -> None:
         if type(v) is not str or len(v) > max_len:
             _fail(path, f"expected string of at most {max_len} chars")
+        if _SURROGATE.search(v):  # a valid JSON escape, but not text: it could reach no client
+            _fail(path, "lone UTF-16 surrogate")
     return check
 
 
@@ -297,9 +302,11 @@ def parse_payload(kind: Kind, rid: int, data: bytes) -> Frame:
     if data[-1:] != b"\n":
         raise ProtocolViolation(f"{kind.name} frame not terminated by LF")
     try:
-        obj = json.loads(data[:-1].decode("utf-8"), parse_constant=_reject_constant)
+        obj = json.loads(data[:-1].decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolViolation(f"{kind.name} payload is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolViolation(f"{kind.name} payload nests too deeply") from None
     if type(obj) is not dict:
         raise ProtocolViolation(f"{kind.name} payload is not an object")
     kind.schema(obj, kind.name)
@@ -308,6 +315,13 @@ def parse_payload(kind: Kind, rid: int, data: bytes) -> Frame:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # which value would count is ambiguous: not a frame
+        raise ValueError("duplicate key")
+    return out
 
 
 class SyncReader:

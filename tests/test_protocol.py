@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -53,6 +54,10 @@ def test_non_finite_floats_cannot_be_encoded():
         P.encode("TOKEN", 1, {"member": 0, "choice": 0, "tokens": [{"id": 1, "bytes": "", "logprob": float("-inf")}]})
 
 
+def framed(kind: str, rid: int, payload: bytes) -> bytes:
+    return b"%s %d %d\n%s\n" % (kind.encode(), rid, len(payload), payload)
+
+
 HOSTILE = {
     "header_too_long": b"TOKEN 7 " + b"1" * 80 + b"\n",
     "bad_header": b"token 7 2\n{}\n",
@@ -70,6 +75,16 @@ HOSTILE = {
     "uppercase_hex": b'TOKEN 7 63\n{"member":0,"choice":0,"tokens":[{"id":1,"bytes":"AB","logprob":1}]}\n',
     "eof_in_header": b"DONE 7",
     "no_lf_within_bound": b"D" * 70000,
+    # well framed, hostile JSON inside
+    "lone_surrogate": framed("ERROR", 7, b'{"code": "INTERNAL", "message": "a\\ud800b"}'),
+    "lone_surrogate_in_stop": framed("DONE", 7, b'{"choices": [{"member": 0, "choice": 0, "finish_reason": "stop", '
+                                                b'"stop": "\\udc00", "completion_tokens": 1}]}'),
+    "deep_nesting": framed("DONE", 7, b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "duplicate_key": framed("ACCEPT", 7, b'{"members": [], "members": [{"prompt_tokens": 1, "cached_tokens": 0}]}'),
+    "bom": framed("DONE", 7, b"\xef\xbb\xbf{}"),
+    "invalid_utf8": framed("ERROR", 7, b'{"code": "INTERNAL", "message": "\xff\xfe"}'),
+    "encoded_surrogate": framed("ERROR", 7, b'{"code": "INTERNAL", "message": "\xed\xa0\x80"}'),
+    "infinity": framed("TOKEN", 7, b'{"member":0,"choice":0,"tokens":[{"id":1,"bytes":"","logprob":-Infinity}]}'),
 }
 
 
@@ -113,3 +128,27 @@ def test_fuzz_mutated_valid_frames(pos, byte, delete):
     # whatever survives a mutation is still schema-valid and addressed to a request id that parsed
     for f in frames:
         P.KINDS[f.kind].schema(f.payload, f.kind)
+
+
+HOSTILE_JSON = [b'"\\ud800"', b'"\\udfff x"', b"NaN", b"Infinity", b"-Infinity", b"[" * 5000 + b"]" * 5000,
+                b'{"a": 1, "a": 2}', b'"\xff"', b'"\xed\xa0\x80"', b"1e999", b"-0", b"\xef\xbb\xbf0",
+                b'"\\u0000"', b"{}", b"[]", b"null", b'"ok"', b"12345678901234567890123"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(k for k, v in P.KINDS.items() if v.sender == "engine")),
+       st.sampled_from(["member", "message", "tokens", "choices", "members", "stop", "code", "x"]),
+       st.sampled_from(HOSTILE_JSON), st.booleans())
+def test_fuzz_hostile_json_in_well_framed_payloads(kind, key, value, nest):
+    """Whatever JSON a frame holds, the reader either delivers a schema-valid frame whose
+    strings are all text, or raises ProtocolViolation -- never another error, never a hang."""
+    payload = b'{"%s": %s}' % (key.encode(), b"[" + value + b"]" if nest else value)
+    for read in (read_all_sync, read_all_async):
+        try:
+            frames = read(framed(kind, 7, payload))
+        except P.ProtocolViolation:
+            continue
+        for f in frames:
+            P.KINDS[f.kind].schema(f.payload, f.kind)
+            if not P.KINDS[f.kind].reserved:  # reserved kinds are dropped unread
+                json.dumps(f.payload, ensure_ascii=False).encode("utf-8")  # every string is text
