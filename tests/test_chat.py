@@ -61,26 +61,30 @@ def test_chat_logprobs_without_top(tiny_server):
     assert chat(tiny_server, max_tokens=3).json()["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"logprobs": 1}, "logprobs"),
-    ({"logprobs": "true"}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
-    ({"top_logprobs": 33, "logprobs": False}, "top_logprobs"),
-    ({"top_logprobs": -1}, "top_logprobs"),
-    ({"top_logprobs": 1.0, "logprobs": True}, "top_logprobs"),
-    ({"echo": True}, "echo"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"max_tokens": 4, "max_completion_tokens": 4}, "max_tokens"),
-    ({"frobnicate": 1}, "frobnicate"),
+@pytest.mark.parametrize("body,param,code", [
+    ({"logprobs": 1}, "logprobs", "invalid_type"),
+    ({"logprobs": "true"}, "logprobs", "invalid_type"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"top_logprobs": 2, "logprobs": False}, "top_logprobs", "invalid_value"),
+    ({"top_logprobs": 33, "logprobs": False}, "top_logprobs", "invalid_value"),
+    ({"top_logprobs": -1}, "top_logprobs", "invalid_value"),
+    ({"top_logprobs": 1.0, "logprobs": True}, "top_logprobs", "invalid_type"),
+    ({"echo": True}, "echo", "unsupported_parameter"),
+    ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format.type", "unsupported_value"),
+    ({"messages": []}, "messages", "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "unsupported_value"),
+    ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages[0].name", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"max_tokens": 4, "max_completion_tokens": 4}, "max_tokens", "invalid_value"),
+    ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
 ])
-def test_chat_refusals_are_named(tiny_server, body, param):
-    assert chat_err(tiny_server, **body)["param"] == param
+def test_chat_refusals_are_named(tiny_server, body, param, code):
+    e = chat_err(tiny_server, **body)
+    assert (e["param"], e["code"]) == (param, code)
 
 
 def test_chat_text_parts_equal_string_content(tiny_server):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 
 import pytest
 import torch
@@ -121,10 +122,11 @@ def test_logprobs_zero_false_null_mean_no_logprobs(tiny_server):
         assert ok(tiny_server, prompt="Hi", max_tokens=2, logprobs=v)["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("value", [True, 1.5, "2", 33, -1, [1]])
-def test_logprobs_invalid_values_are_named(tiny_server, value):
+@pytest.mark.parametrize("value,code", [(True, "invalid_type"), (1.5, "invalid_type"), ("2", "invalid_type"),
+                                        (33, "invalid_value"), (-1, "invalid_value"), ([1], "invalid_type")])
+def test_logprobs_invalid_values_are_named(tiny_server, value, code):
     e = err(tiny_server, prompt="Hi", logprobs=value)
-    assert e["param"] == "logprobs" and e["code"] in ("invalid_type", "invalid_value")
+    assert (e["param"], e["code"]) == ("logprobs", code)
 
 
 @pytest.mark.parametrize("value", [1, "true", None, 0])
@@ -141,7 +143,8 @@ def test_max_tokens_zero_with_echo_returns_prompt_only(tiny_server):
 
 
 def test_max_tokens_zero_without_echo_is_named(tiny_server):
-    assert err(tiny_server, prompt="Hi", max_tokens=0)["param"] == "max_tokens"
+    e = err(tiny_server, prompt="Hi", max_tokens=0)
+    assert (e["param"], e["code"]) == ("max_tokens", "invalid_value")
 
 
 def test_return_tokens_as_token_ids_labels(tiny_server):
@@ -282,18 +285,37 @@ def test_batch_prompt_token_budget_counts_real_tokens(tiny_model_dir):
         e = err(s, prompt=[[5] * 15, [5] * 15], max_tokens=1)
         assert e["code"] == "prompt_batch_token_budget_exceeded"
         ok(s, prompt=[[5] * 60], max_tokens=1)  # a length-1 array is exempt
-        before = s.get("/metrics").text
+        before = engine_work(s)
         err(s, prompt=["Hello world " * 6, "x"], max_tokens=1)
-        assert _metric(s.get("/metrics").text, "probity_generation_tokens_total") == _metric(before, "probity_generation_tokens_total")
+        assert engine_work(s) == add(before, PROBE_WORK)  # the refused batch ran nothing
     finally:
         s.stop()
 
 
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+PROBE = {"model": TINY_ID, "prompt": [5], "max_tokens": 1, "temperature": 0}
+PROBE_WORK = (1, 1)  # one forward pass over one prompt token
+
+
+def add(a: tuple, b: tuple) -> tuple:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def engine_work(server) -> tuple[int, int]:
+    """(forward_passes, prompt_tokens_computed) as the engine itself reports them, after
+    everything sent so far. STATS comes at most once a second while busy and once on going
+    idle, so a probe request is run and its idle STATS awaited: the figures then include
+    all earlier work, plus exactly PROBE_WORK."""
+    def now():
+        st = server.get("/health").json()["engine"]["stats"]
+        return st.get("forward_passes"), st.get("prompt_tokens_computed")
+
+    before = now()
+    assert server.post("/v1/completions", json=PROBE).status_code == 200
+    deadline = time.monotonic() + 30
+    while (after := now()) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert after != before and None not in after, after
+    return after
 
 
 def test_batch_member_rejected_by_engine_is_named(tiny_server):
@@ -302,14 +324,25 @@ def test_batch_member_rejected_by_engine_is_named(tiny_server):
 
 
 def test_rejected_batch_does_no_engine_work(tiny_server):
-    before = _metric(tiny_server.get("/metrics").text, "probity_generation_tokens_total")
-    err(tiny_server, prompt=["Hello", "Hello " * 300], max_tokens=4)
-    err(tiny_server, prompt=[[1, 2], [1, 10**6]], max_tokens=4)
-    assert _metric(tiny_server.get("/metrics").text, "probity_generation_tokens_total") == before
+    before = engine_work(tiny_server)
+    e = err(tiny_server, prompt=["Hello", "Hello " * 300], max_tokens=4)  # refused by the engine
+    assert (e["code"], e["param"]) == ("context_length_exceeded", "prompt[1]")
+    e = err(tiny_server, prompt=[[1, 2], [1, 10**6]], max_tokens=4)  # refused by the server
+    assert (e["code"], e["param"]) == ("token_out_of_vocabulary", "prompt[1]")
+    # between the two probes the engine ran exactly the second probe: nothing of member 0
+    assert engine_work(tiny_server) == add(before, PROBE_WORK)
+
+
+def test_engine_work_probe_sees_work(tiny_server):
+    """The probe above can fail: a request that runs does show up in it."""
+    before = engine_work(tiny_server)
+    ok(tiny_server, prompt=[300, 301, 302], max_tokens=3, temperature=0)
+    assert engine_work(tiny_server) == add(add(before, (3, 3)), PROBE_WORK)
 
 
 def test_stream_on_batch_is_named(tiny_server):
-    assert err(tiny_server, prompt=["a", "b"], stream=True)["param"] == "stream"
+    e = err(tiny_server, prompt=["a", "b"], stream=True)
+    assert (e["param"], e["code"]) == ("stream", "unsupported_value")
 
 
 def test_context_length_exceeded_is_never_clamped(tiny_server):
@@ -330,7 +363,8 @@ def test_group_score_refused_before_anything_else(tiny_server):
 
 
 def test_unknown_and_refused_fields_are_named(tiny_server):
-    assert err(tiny_server, prompt="Hi", bogus=1)["code"] == "unknown_parameter"
+    e = err(tiny_server, prompt="Hi", bogus=1)
+    assert (e["code"], e["param"]) == ("unknown_parameter", "bogus")
     for f in ("best_of", "suffix"):
         e = err(tiny_server, prompt="Hi", **{f: 2 if f == "best_of" else "x"})
         assert (e["code"], e["param"]) == ("unsupported_parameter", f)
@@ -356,15 +390,23 @@ def test_model_must_be_the_served_one(tiny_server):
     assert (e["code"], e["param"]) == ("model_not_found", "model")
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", 2.5), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 17),
-    ("stop", ["a"] * 33), ("stop", [""]), ("presence_penalty", 3), ("frequency_penalty", -3),
-    ("logit_bias", {"abc": 1}), ("logit_bias", {"1": 200}), ("seed", 2**63), ("seed", 1.5), ("max_tokens", -1),
-    ("top_k", -2), ("stream", "yes"),
+@pytest.mark.parametrize("field,value,param,code", [
+    ("temperature", 2.5, "temperature", "invalid_value"), ("temperature", "hot", "temperature", "invalid_type"),
+    ("top_p", 0, "top_p", "invalid_value"), ("top_p", 1.5, "top_p", "invalid_value"),
+    ("n", 0, "n", "invalid_value"), ("n", 17, "n", "invalid_value"),
+    ("stop", ["a"] * 33, "stop", "invalid_value"), ("stop", [""], "stop[0]", "invalid_value"),
+    ("stop", [1], "stop[0]", "invalid_type"),
+    ("presence_penalty", 3, "presence_penalty", "invalid_value"),
+    ("frequency_penalty", -3, "frequency_penalty", "invalid_value"),
+    ("logit_bias", {"abc": 1}, "logit_bias", "token_out_of_vocabulary"),
+    ("logit_bias", {"1": 200}, "logit_bias.1", "invalid_value"),
+    ("seed", 2**63, "seed", "invalid_value"), ("seed", 1.5, "seed", "invalid_type"),
+    ("max_tokens", -1, "max_tokens", "invalid_value"), ("top_k", -2, "top_k", "invalid_value"),
+    ("stream", "yes", "stream", "invalid_type"),
 ])
-def test_out_of_range_fields_are_named(tiny_server, field, value):
+def test_out_of_range_fields_are_named(tiny_server, field, value, param, code):
     e = err(tiny_server, prompt="Hi", **{field: value})
-    assert e["param"] == field or e["param"].startswith((f"{field}[", f"{field}."))
+    assert (e["param"], e["code"]) == (param, code)
 
 
 def test_logit_bias_and_penalties_change_sampling_not_logprobs(tiny_server):
@@ -381,7 +423,7 @@ def test_logit_bias_and_penalties_change_sampling_not_logprobs(tiny_server):
 
 def test_empty_text_prompt_is_named(tiny_server):
     e = err(tiny_server, prompt="", max_tokens=1)
-    assert e["param"] == "prompt"
+    assert (e["param"], e["code"]) == ("prompt", "invalid_value")
 
 
 def test_reported_values_do_not_depend_on_temperature_or_top_p(tiny_server):
