@@ -345,6 +345,25 @@ def test_stream_on_batch_is_named(tiny_server):
     assert (e["param"], e["code"]) == ("stream", "unsupported_value")
 
 
+def test_the_context_window_is_exact(tiny_server):
+    """prompt + max_tokens == the window (256) is accepted; one more token is refused."""
+    ctx = tiny_server.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert ctx == 256
+    prompt = [5] * 250
+    body = ok(tiny_server, prompt=prompt, max_tokens=ctx - 250, temperature=0)
+    assert body["usage"]["prompt_tokens"] == 250
+    e = err(tiny_server, prompt=prompt, max_tokens=ctx - 250 + 1)
+    assert (e["code"], e["param"]) == ("context_length_exceeded", "prompt")
+    msgs = [{"role": "user", "content": "Hello " * 40}]
+    n = tiny_server.post("/tokenize", json={"messages": msgs}).json()["count"]
+    r = tiny_server.post("/v1/chat/completions", json={"model": TINY_ID, "messages": msgs, "max_tokens": ctx - n,
+                                                       "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == n
+    r = tiny_server.post("/v1/chat/completions", json={"model": TINY_ID, "messages": msgs,
+                                                       "max_tokens": ctx - n + 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_context_length_exceeded_is_never_clamped(tiny_server):
     e = err(tiny_server, prompt="Hello", max_tokens=300)
     assert (e["code"], e["param"]) == ("context_length_exceeded", "prompt")

@@ -106,6 +106,8 @@ def hostile(rid: int, name: str) -> None:
         raw(accept + token + grp + token + P.encode("GRPP", 0, {}) + done)
     elif name == "close_stdin":
         os.close(0)  # the server's next write to us fails; stay alive so EOF is not what it sees
+        with open(logfile, "a") as log:
+            log.write("STDIN CLOSED\n")  # what a test waits for before it writes again
         time.sleep(60)
     elif name == "error_zero":
         raw(P.encode("ERROR", 0, {"code": "INTERNAL", "message": "boom"}))
@@ -135,6 +137,8 @@ with open(logfile, "a") as log:
         log.write(f"{f.kind} {f.id} {json.dumps(f.payload, sort_keys=True)}\n")
         log.flush()
         if f.kind == "SUBMIT" and scenario == "hostile":
-            hostile(f.id, f.payload["members"][0].get("text", "ok"))
+            # the scenario is the prompt text, or the last message's content for chat requests
+            member = f.payload["members"][0]
+            hostile(f.id, member.get("text") or (member.get("messages") or [{}])[-1].get("content", "ok"))
         elif f.kind == "SUBMIT":
             one_token(f.id, len(f.payload.get("members", [{}])))
