@@ -122,3 +122,57 @@ def _status_kib(pid: int, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise KeyError(key)
+
+
+def test_engine_stats_are_fresh_once_a_cancelled_stream_leaves_it_idle(tiny_model_dir):
+    """A stream the client abandons is cancelled; the engine, now idle, says so at once
+    (before, /health kept showing one running sequence until the next request)."""
+    import json
+    import socket
+    import time
+
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
+    try:
+        body = json.dumps({"model": TINY_ID, "prompt": "Hello", "max_tokens": 240, "stream": True,
+                           "logit_bias": NO_EOS}).encode()
+        c = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert c.recv(4096).startswith(b"HTTP/1.1 200")  # committed: the engine runs it
+        deadline = time.monotonic() + 30
+        while s.get("/health").json()["engine"]["stats"].get("active") != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.get("/health").json()["engine"]["stats"]["active"] == 1
+        c.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            h = s.get("/health").json()
+            if h["engine"]["in_flight"] == 0 and h["engine"]["stats"].get("active") == 0:
+                break
+            time.sleep(0.05)
+        assert h["engine"]["in_flight"] == 0
+        assert h["engine"]["stats"]["active"] == 0 and h["engine"]["stats"]["waiting"] == 0
+    finally:
+        s.stop()
+
+
+def test_api_reports_the_engines_float32_values_exactly(tiny_server, tiny_model_dir):
+    """Echo values over HTTP are the engine forward's own floats, bit for bit (a transport that
+    rounded, e.g. to 6 decimals, would fail): compared with probity's model run in-process
+    on the same weights and thread count."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from test_invariance import Harness, alone
+
+    ids = tiny_server.post("/tokenize", json={"model": TINY_ID, "prompt": "Prices: 5€, 10£ — naïve café"}).json()["tokens"]
+    r = ok(tiny_server, model=TINY_ID, prompt=ids, max_tokens=0, echo=True, logprobs=3)["choices"][0]["logprobs"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server's engine runs with --threads 1
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        lp = torch.log_softmax(alone(Harness(hf, 64), ids), -1)
+    finally:
+        torch.set_num_threads(threads)
+    want = [lp[i, t].item() for i, t in enumerate(ids[1:])]
+    assert r["token_logprobs"][1:] == want
