@@ -10,8 +10,8 @@ reference's: every request's loglikelihood within 1e-3, the same `is_greedy`, th
 generations, the same acc / acc_norm / exact_match, perplexities within the relative error that
 1e-3 per document allows. Per-token values, which lm-eval does not log, are checked directly:
 probity's answers to lm-eval's exact requests (echo, max_tokens 1, logprobs 1; the first 6
-multiple-choice docs' pairs, for time, and every rolling window), every entry including the generated one,
-within 1e-4 of transformers in-process. One known difference is kept apart (an xfail test):
+multiple-choice docs' pairs, for time, and every rolling window), every entry including the
+generated one, within 1e-4 of transformers in-process. One known difference is kept apart (an xfail test):
 generated special tokens other than EOS are in probity's text, lm-eval's `hf` skips them.
 
 Exempt only where the reference itself is a near tie, so that rounding (other fp32 kernels than
@@ -103,7 +103,8 @@ def run_lm_eval(model_dir: Path, model_id: str, url: str, out: Path) -> dict:
 def evals(request, tmp_path_factory) -> Evals:
     assert LMEVAL_PY.exists(), "make setup installs lm-eval into .venv-lmeval"
     if request.param == "tiny":
-        folder, server, model_id = request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("tiny_server"), TINY_ID
+        folder, model_id = request.getfixturevalue("tiny_model_dir"), TINY_ID
+        server = request.getfixturevalue("tiny_server")
         model, tok = request.getfixturevalue("tiny_hf")
     else:
         from probity.engine.loader import DEFAULT_ID, converted_dir, default_model_path
