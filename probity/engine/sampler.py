@@ -25,11 +25,15 @@ def top_tables(lp: torch.Tensor, chosen: list[int], k: int) -> list[list[tuple[i
     if k == 0:
         vals = lp[torch.arange(rows), torch.tensor(chosen)].tolist()
         return [[(c, v)] for c, v in zip(chosen, vals)]
-    kv, ki = torch.topk(lp, k, dim=-1)
-    # torch.topk does not promise an order among equal values: find rows whose k-th value
-    # is tied with entries outside the top k and redo those rows exactly.
-    kth = kv[:, -1:]
-    ties = ((lp >= kth).sum(dim=-1) > k).tolist()
+    # torch.topk does not promise an order among equal values, nor which of several entries
+    # tied at the k-th value it keeps. Taking k+1 shows where that can matter: a row whose
+    # (k+1)-th value equals its k-th has a tie across the cut and is redone exactly; in any
+    # other row the top k are exactly the entries >= the k-th value.
+    width = min(k + 1, lp.shape[-1])
+    kv, ki = torch.topk(lp, width, dim=-1)
+    kth = kv[:, k - 1:k]
+    ties = (kv[:, -1] == kv[:, k - 1]).tolist() if width > k else [False] * rows
+    kv, ki = kv[:, :k], ki[:, :k]
     chosen_vals = lp[torch.arange(rows), torch.tensor(chosen)].tolist()
     kv_l, ki_l = kv.tolist(), ki.tolist()
     tables = []
