@@ -11,8 +11,11 @@ checks it bit for bit:
 - Attention gathers each sequence's keys from the paged pool, padded with masked positions to
   a multiple of KEY_ALIGN, and computes `exp(s - max) @ [V | 1]`: the softmax denominator comes
   out of the same GEMM as the values, so it is reduced in the same order as they are; masked
-  positions contribute exact zeros, so the padded length does not change a bit. Every
-  attention GEMM holds at least MIN_ROWS query rows (grouped-query heads count as rows).
+  positions contribute exact zeros, so the padded length does not change a bit. Sequences
+  whose new rows and key lengths fall in the same buckets share one batched GEMM (AttnGroup);
+  an item's query rows are padded by repeating its last row, so every attention GEMM holds at
+  least MIN_ROWS query rows (grouped-query heads count as rows) and a row's result does not
+  depend on its companions.
 - Norms, rotary embeddings and activations are per-row or elementwise.
 
 Families: Llama, Mistral, Qwen2, Qwen3 (their weights read from the transformers module).
@@ -68,8 +71,7 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
-    return w * (x * torch.rsqrt(var + eps))
+    return F.rms_norm(x, w.shape, w, eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,13 +94,19 @@ class Layer:
 
 @dataclass
 class AttnGroup:
-    """Sequences whose query rows are attended together: `rows` query rows each (1 for decode),
-    starting at `starts` in the step's rows, at positions `qpos` [items, rows], reading the
-    blocks `tables` [items, blocks] (padded with the zero block)."""
-    starts: list[int]
+    """Query rows attended together: `items` sequences with `rows` query rows each, reading
+    `nb` blocks each. Built once per step (runner.py) and used by every layer.
+
+    An item with fewer new rows than `rows` is padded by repeating its last row (same query,
+    same position); the padded results are computed like any other row and dropped."""
+    items: int
     rows: int
-    qpos: torch.Tensor
-    tables: torch.Tensor
+    nb: int
+    idx: torch.Tensor            # [items*rows] the step rows whose queries are attended
+    dest: torch.Tensor           # the step rows that receive the kept results
+    keep: torch.Tensor | None    # which of the items*rows results are kept (None: all)
+    mask: torch.Tensor           # [items, rows, nb*block_size] True where a key is not visible
+    blocks: torch.Tensor         # [items*nb] the block table, padded with the zero block
 
 
 class Model:
@@ -173,20 +181,19 @@ class Model:
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln_in, self.eps)
             qkv = layer.qkv(x)
-            q = qkv[:, : H * hd].reshape(T, H, hd)
-            k = qkv[:, H * hd: (H + KV) * hd].reshape(T, KV, hd)
-            v = qkv[:, (H + KV) * hd:].reshape(T, KV, hd)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, self.eps)
-                k = rms_norm(k, layer.k_norm, self.eps)
-            q = rotate(q, cos, sin)
-            k = rotate(k, cos, sin)
-            self.k_pool[li].view(KV, -1, hd)[:, slots] = k.transpose(0, 1)
-            self.v_pool[li].view(KV, -1, hd + 1)[:, slots, :hd] = v.transpose(0, 1)
+            v = qkv[:, (H + KV) * hd:].view(T, KV, hd)
+            if layer.q_norm is None:
+                qk = rotate(qkv[:, : (H + KV) * hd].view(T, H + KV, hd), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
+            else:
+                q = rotate(rms_norm(qkv[:, : H * hd].view(T, H, hd), layer.q_norm, self.eps), cos, sin)
+                k = rotate(rms_norm(qkv[:, H * hd: (H + KV) * hd].view(T, KV, hd), layer.k_norm, self.eps), cos, sin)
+            self.k_pool[li].view(KV, -1, hd).index_copy_(1, slots, k.transpose(0, 1))
+            self.v_pool[li].view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, slots, v.transpose(0, 1))
             attn = torch.empty(T, H, hd)
             for g in groups:
                 self._attend(li, q, g, attn)
-            h = h + layer.o(attn.reshape(T, H * hd))
+            h = h + layer.o(attn.view(T, H * hd))
             x = rms_norm(h, layer.ln_post, self.eps)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
@@ -200,25 +207,21 @@ class Model:
 
     def _attend(self, li: int, q: torch.Tensor, g: AttnGroup, out: torch.Tensor) -> None:
         H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group
-        items, n = len(g.starts), g.rows
-        idx = (torch.tensor(g.starts)[:, None] + torch.arange(n)[None, :]).reshape(-1)
+        items, n = g.items, g.rows
+        L = g.nb * self.block_size
         # queries [KV, items, G*n, hd], scaled before the GEMM
-        qs = (q[idx] * self.scale).reshape(items, n, KV, G, hd).permute(2, 0, 3, 1, 4).reshape(KV, items, G * n, hd)
-        nb = g.tables.shape[1]
-        L = nb * self.block_size
-        keys = self.k_pool[li][:, g.tables].view(KV, items, L, hd)
-        vals = self.v_pool[li][:, g.tables].view(KV, items, L, hd + 1)
-        if G * n < MIN_ROWS:
-            qs = torch.cat([qs, qs.new_zeros(KV, items, MIN_ROWS - G * n, hd)], dim=2)
-        s = torch.matmul(qs, keys.transpose(-1, -2))[:, :, : G * n]                          # [KV, items, G*n, L]
-        masked = torch.arange(L)[None, None, :] > g.qpos[:, :, None]                          # [items, n, L]
-        s = s.reshape(KV, items, G, n, L).masked_fill(masked[None, :, None], float("-inf"))
-        e = torch.exp(s - s.amax(-1, keepdim=True)).reshape(KV, items, G * n, L)
-        if G * n < MIN_ROWS:
-            e = torch.cat([e, e.new_zeros(KV, items, MIN_ROWS - G * n, L)], dim=2)
-        o = torch.matmul(e, vals)[:, :, : G * n]                                              # [KV, items, G*n, hd+1]
-        o = (o[..., :hd] / o[..., hd:]).reshape(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
-        out[idx] = o
+        qs = (q.index_select(0, g.idx) * self.scale).view(items, n, KV, G, hd).permute(2, 0, 3, 1, 4)
+        qs = qs.reshape(KV, items, G * n, hd)
+        keys = self.k_pool[li].index_select(1, g.blocks).view(KV, items, L, hd)
+        vals = self.v_pool[li].index_select(1, g.blocks).view(KV, items, L, hd + 1)
+        s = torch.matmul(qs, keys.transpose(-1, -2))                                          # [KV, items, G*n, L]
+        s = s.view(KV, items, G, n, L).masked_fill_(g.mask[None, :, None], float("-inf"))
+        e = s.sub_(s.amax(-1, keepdim=True)).exp_().view(KV, items, G * n, L)
+        o = torch.matmul(e, vals)                                                             # [KV, items, G*n, hd+1]
+        o = (o[..., :hd] / o[..., hd:]).view(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
+        if g.keep is not None:
+            o = o.index_select(0, g.keep)
+        out.index_copy_(0, g.dest, o)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,63 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import BlockPool
-from .model import KEY_ALIGN, AttnGroup, Model
-from .sampler import top_tables
+from .model import KEY_ALIGN, MIN_ROWS, AttnGroup, Model
+from ..protocol import MAX_LOGPROBS
+from .sampler import top_lists, with_chosen
 from .sequence import Sequence
 
 BLOCK_SIZE = 16
+
+
+class EchoCache:
+    """What echo reported at each pool position, kept beside its K/V: the next token the entry
+    is for, its logprob, and the top list (up to MAX_LOGPROBS ids and values) with its width.
+
+    An entry is the head over that position's final hidden state, so a sequence that reaches
+    the position through the prefix cache, with the same next token and a top table no wider,
+    gets the very floats a recomputation would give without running the head. Writing a
+    position's hidden state (a new owner of the block) voids its entry."""
+
+    BYTES_PER_TOKEN = 8 + 4 + 4 + MAX_LOGPROBS * 8
+
+    def __init__(self, slots: int):
+        self.next = torch.full((slots,), -1, dtype=torch.long)   # -1: no entry
+        self.width = torch.full((slots,), -1, dtype=torch.int32)  # -1: logprob only
+        self.lp = torch.zeros(slots)
+        self.ids = torch.zeros(slots, MAX_LOGPROBS, dtype=torch.int32)
+        self.vals = torch.zeros(slots, MAX_LOGPROBS)
+
+    def void(self, slots: torch.Tensor) -> None:
+        self.next[slots] = -1
+
+    def lookup(self, slots: list[int], targets: list[int], k: int | None) -> list[tuple[float, list | None] | None]:
+        st = torch.tensor(slots)
+        ok = (self.next[st] == torch.tensor(targets)) & (self.width[st] >= (-1 if k is None else k))
+        found = torch.nonzero(ok).flatten()
+        out: list = [None] * len(slots)
+        if not len(found):
+            return out
+        at = st[found]
+        vals = self.lp[at].tolist()
+        if k is None:
+            tables = [None] * len(vals)
+        else:
+            ids, tv = self.ids[at, :k].tolist(), self.vals[at, :k].tolist()
+            tables = [with_chosen(list(zip(i, v)), targets[j], val)
+                      for i, v, j, val in zip(ids, tv, found.tolist(), vals)]
+        for j, val, table in zip(found.tolist(), vals, tables):
+            out[j] = (val, table)
+        return out
+
+    def store(self, slots: list[int], targets: list[int], vals: list[float], k: int | None,
+              lists: list[list[tuple[int, float]]] | None) -> None:
+        st = torch.tensor(slots)
+        self.next[st] = torch.tensor(targets)
+        self.lp[st] = torch.tensor(vals)
+        self.width[st] = -1 if k is None else k
+        if k:
+            self.ids[st, :k] = torch.tensor([[i for i, _ in pairs] for pairs in lists], dtype=torch.int32)
+            self.vals[st, :k] = torch.tensor([[v for _, v in pairs] for pairs in lists])
 
 
 @dataclass
@@ -30,10 +82,11 @@ class ModelRunner:
         if threads:
             torch.set_num_threads(threads)
         cfg = hf_model.config
-        per_block = Model.bytes_per_token(cfg) * BLOCK_SIZE
+        per_block = (Model.bytes_per_token(cfg) + EchoCache.BYTES_PER_TOKEN) * BLOCK_SIZE
         num_blocks = num_blocks or max(2, int(kv_cache_gib * (1 << 30)) // per_block + 1)
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_cache)
         self.model = Model(hf_model, num_blocks, BLOCK_SIZE)
+        self.echo = EchoCache(num_blocks * BLOCK_SIZE)
         self.vocab_size = self.model.vocab_size
         ctx = int(getattr(cfg, "max_position_embeddings", 2048))
         window = getattr(cfg, "sliding_window", None)
@@ -43,31 +96,37 @@ class ModelRunner:
         self.head_rows = head_rows
         self.align = KEY_ALIGN // BLOCK_SIZE
 
-    def _table(self, seq: Sequence, length: int, nb: int) -> list[int]:
-        used = seq.blocks[: self.pool.blocks_for(length)]
-        return used + [0] * (nb - len(used))
-
     def _groups(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> list[AttnGroup]:
-        """Decoding sequences attend together; each prompt chunk attends alone."""
-        def padded_blocks(length: int) -> int:
-            nb = self.pool.blocks_for(length)
-            return -(-nb // self.align) * self.align
-
-        groups = []
-        decode = [(i, seq) for i, (seq, n) in enumerate(batch) if n == 1]
-        if decode:
-            nb = max(padded_blocks(seq.num_computed + 1) for _, seq in decode)
-            groups.append(AttnGroup(
-                starts=[starts[i] for i, _ in decode], rows=1,
-                qpos=torch.tensor([[seq.num_computed] for _, seq in decode]),
-                tables=torch.tensor([self._table(seq, seq.num_computed + 1, nb) for _, seq in decode])))
+        """Sequences are attended together when their new rows and their key blocks fall in the
+        same power-of-two buckets (decodes: one row each), so a step runs a few batched
+        attention GEMMs instead of one per sequence, and padding wastes at most half of one.
+        Grouping changes no bit: every row is computed the same way whatever its companions."""
+        bs = self.pool.block_size
+        min_rows = -(-MIN_ROWS // self.model.group)   # grouped-query heads count as GEMM rows
+        buckets: dict[tuple[int, int], list[int]] = {}
         for i, (seq, n) in enumerate(batch):
-            if n > 1:
-                end = seq.num_computed + n
-                nb = padded_blocks(end)
-                groups.append(AttnGroup(
-                    starts=[starts[i]], rows=n, qpos=torch.arange(seq.num_computed, end)[None, :],
-                    tables=torch.tensor([self._table(seq, end, nb)])))
+            nb = -(-self.pool.blocks_for(seq.num_computed + n) // self.align) * self.align
+            rows = max(min_rows, 1 << (n - 1).bit_length())
+            buckets.setdefault((rows, 1 << (nb - 1).bit_length() if nb > self.align else nb), []).append(i)
+        groups = []
+        for (rows, _), members in buckets.items():
+            nb = max(-(-self.pool.blocks_for(batch[i][0].num_computed + batch[i][1]) // self.align) * self.align
+                     for i in members)
+            idx, dest, keep, qpos, blocks = [], [], [], [], []
+            for j, i in enumerate(members):
+                seq, n = batch[i]
+                a = seq.num_computed
+                idx += [starts[i] + min(r, n - 1) for r in range(rows)]
+                qpos.append([a + min(r, n - 1) for r in range(rows)])
+                dest += range(starts[i], starts[i] + n)
+                keep += range(j * rows, j * rows + n)
+                used = seq.blocks[: self.pool.blocks_for(a + n)]
+                blocks += used + [0] * (nb - len(used))
+            qpos_t = torch.tensor(qpos)
+            groups.append(AttnGroup(
+                items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
+                keep=None if len(keep) == len(idx) else torch.tensor(keep),
+                mask=torch.arange(nb * bs)[None, None, :] > qpos_t[:, :, None], blocks=torch.tensor(blocks)))
         return groups
 
     @torch.inference_mode()
@@ -83,8 +142,9 @@ class ModelRunner:
             for p in range(a, a + n):
                 positions.append(p)
                 slots.append(seq.blocks[p // bs] * bs + p % bs)
-        hidden = self.model.forward(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
-                                    self._groups(batch, starts))
+        slots_t = torch.tensor(slots)
+        hidden = self.model.forward(torch.tensor(tokens), torch.tensor(positions), slots_t, self._groups(batch, starts))
+        self.echo.void(slots_t)
         return hidden, starts
 
     @torch.inference_mode()
@@ -92,27 +152,34 @@ class ModelRunner:
         """Run one forward. `wants_sample(seq)` says whether a token is to be sampled once the
         sequence's positions are all computed. Does not advance `num_computed`."""
         hidden, starts = self.forward(batch)
-        # which rows need the head: (row, seq index, kind, position). Echo rows come from the
-        # pool of final hidden states, so positions served by the prefix cache have theirs.
+        # which rows need the head: (row, seq index, kind, position, slot). Echo rows come from
+        # the pool of final hidden states, so positions served by the prefix cache have theirs;
+        # positions whose entry the echo cache holds need no head at all.
         bs = self.pool.block_size
-        wanted: list[tuple[int, int, str, int]] = []
+        results = [SeqResult() for _ in batch]
+        wanted: list[tuple[int, int, str, int, int]] = []
         echo_slots = []
         for i, (seq, n) in enumerate(batch):
             a = seq.num_computed
             if seq.echo_next:
-                for p in range(seq.echo_next, min(a + n, len(seq.prompt) - 1) + 1):
-                    wanted.append((len(hidden) + len(echo_slots), i, "echo", p))
-                    echo_slots.append(seq.blocks[(p - 1) // bs] * bs + (p - 1) % bs)
+                pos = list(range(seq.echo_next, min(a + n, len(seq.prompt) - 1) + 1))
+                slots = [seq.blocks[(p - 1) // bs] * bs + (p - 1) % bs for p in pos]
+                hits = self.echo.lookup(slots, [seq.prompt[p] for p in pos], seq.request.sampling.logprobs) if pos else []
+                for p, slot, hit in zip(pos, slots, hits):
+                    if hit is not None:
+                        results[i].echo.append((p, *hit))
+                    else:
+                        wanted.append((len(hidden) + len(echo_slots), i, "echo", p, slot))
+                        echo_slots.append(slot)
             if a + n == len(seq.tokens) and wants_sample(seq):
-                wanted.append((starts[i] + n - 1, i, "sample", 0))
+                wanted.append((starts[i] + n - 1, i, "sample", 0, 0))
         rows = torch.cat([hidden, self.model.hidden_at(torch.tensor(echo_slots))]) if echo_slots else hidden
-        results = [SeqResult() for _ in batch]
         for c in range(0, len(wanted), self.head_rows):
             chunk = wanted[c:c + self.head_rows]
             logits = self.model.logits(rows[torch.tensor([w[0] for w in chunk])])
             lp = torch.log_softmax(logits, dim=-1)
             echo_rows: dict[int, list[int]] = {}
-            for j, (_, i, kind, p) in enumerate(chunk):
+            for j, (_, i, kind, p, _) in enumerate(chunk):
                 if kind == "sample":
                     results[i].logits, results[i].lp = logits[j].clone(), lp[j].clone()
                 else:
@@ -124,6 +191,10 @@ class ModelRunner:
                 sub = lp[torch.tensor(js)]
                 vals = sub[torch.arange(len(js)), torch.tensor(targets)].tolist()
                 k = seq.request.sampling.logprobs
-                tables = top_tables(sub, targets, k) if k is not None else [None] * len(js)
+                lists = top_lists(sub, k) if k is not None else None
+                self.echo.store([chunk[j][4] for j in js], targets, vals, k, lists)
+                tables = [with_chosen(ls, t, v) for ls, t, v in zip(lists, targets, vals)] if lists is not None else [None] * len(js)
                 results[i].echo += list(zip(pos, vals, tables))
+        for r in results:  # cached entries and computed ones, in position order
+            r.echo.sort(key=lambda e: e[0])
         return results
