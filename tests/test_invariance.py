@@ -182,3 +182,31 @@ def test_default_model_logits_bit_identical_batched_and_chunked():
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert reported_gap(alone(h, ids), ref, ids) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def wide_head_harness():
+    """Head dim 64 like the default model, tiny otherwise: the value GEMM of attention reduces
+    over the key length, and a kernel may change how it reduces with that length."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(1)
+    return Harness(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), 256)
+
+
+def test_long_sequences_bit_identical_beside_longer_ones_and_decoded(wide_head_harness):
+    """A sequence hundreds of tokens long decoded beside a longer one (its keys padded to the
+    companion's length) and token by token (its keys as long as it is) equals its one-shot
+    prefill (its keys padded to the whole prompt)."""
+    h = wide_head_harness
+    rng = random.Random(5)
+    target = [rng.randrange(300) for _ in range(700)]
+    companion = [rng.randrange(300) for _ in range(1000)]
+    want = alone(h, target)
+    plan = [[(1, 512)], [(1, 438)], [(0, 650)]] + [[(0, 1), (1, 1)] for _ in range(50)]
+    got = h.run([target, companion], plan)[0]
+    assert torch.equal(got, want)
+    stepwise = h.run([target], [[(0, 300)]] + [[(0, 1)] for _ in range(400)])[0]
+    assert torch.equal(stepwise, want)

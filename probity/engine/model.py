@@ -11,11 +11,13 @@ checks it bit for bit:
 - Attention gathers each sequence's keys from the paged pool, padded with masked positions to
   a multiple of KEY_ALIGN, and computes `exp(s - max) @ [V | 1]`: the softmax denominator comes
   out of the same GEMM as the values, so it is reduced in the same order as they are; masked
-  positions contribute exact zeros, so the padded length does not change a bit. Sequences
+  positions contribute exact zeros, so the padded length does not change a bit. The value
+  GEMM reduces over the keys in fixed slices of KEY_ALIGN keys whose partial results are summed
+  in order (a GEMM over the whole length changes its reduction with the length). Sequences
   whose new rows and key lengths fall in the same buckets share one batched GEMM (AttnGroup);
   an item's query rows are padded by repeating its last row, so every attention GEMM holds at
-  least MIN_ROWS query rows (grouped-query heads count as rows) and a row's result does not
-  depend on its companions.
+  least `attn_rows` query rows (grouped-query heads count as rows; below about head_dim/24
+  rows the score GEMM changes kernels) and a row's result does not depend on its companions.
 - Norms, rotary embeddings and activations are per-row or elementwise.
 
 Families: Llama, Mistral, Qwen2, Qwen3 (their weights read from the transformers module).
@@ -120,6 +122,9 @@ class Model:
         self.group = self.n_heads // self.n_kv
         self.eps = float(cfg.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        # query rows per attention GEMM, at least: below about head_dim/24 rows the score GEMM
+        # (keys read transposed) takes another kernel on this CPU and reduces differently
+        self.attn_rows = max(MIN_ROWS, self.head_dim // 8)
         inner = hf_model.model
         self.embed = inner.embed_tokens.weight.detach().float()
         rot = inner.rotary_emb
@@ -216,8 +221,12 @@ class Model:
         vals = self.v_pool[li].index_select(1, g.blocks).view(KV, items, L, hd + 1)
         s = torch.matmul(qs, keys.transpose(-1, -2))                                          # [KV, items, G*n, L]
         s = s.view(KV, items, G, n, L).masked_fill_(g.mask[None, :, None], float("-inf"))
-        e = s.sub_(s.amax(-1, keepdim=True)).exp_().view(KV, items, G * n, L)
-        o = torch.matmul(e, vals)                                                             # [KV, items, G*n, hd+1]
+        e = s.sub_(s.amax(-1, keepdim=True)).exp_().view(KV, items, G * n, L // KEY_ALIGN, KEY_ALIGN)
+        # the value GEMM reduces over the keys in fixed slices of KEY_ALIGN, summed in order: a
+        # GEMM over the whole length may change its reduction with the length (it does on this
+        # CPU past a few hundred keys), and then padding would change the bits
+        parts = torch.matmul(e.transpose(2, 3), vals.view(KV, items, L // KEY_ALIGN, KEY_ALIGN, hd + 1))
+        o = parts.cumsum(2)[:, :, -1]                                                         # [KV, items, G*n, hd+1]
         o = (o[..., :hd] / o[..., hd:]).view(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
         if g.keep is not None:
             o = o.index_select(0, g.keep)
