@@ -175,3 +175,35 @@ def test_the_seeded_stream_is_numpys_mt19937_seedsequence():
         # torch's float64 uniform: the low 53 bits of (first << 32 | second), scaled
         ref = (((raw[0::2] << np.uint64(32)) | raw[1::2]) & np.uint64((1 << 53) - 1)) / 2.0**53
         assert ours == ref.tolist()
+
+
+# ------------------------------------------------------------------ batched draws
+
+def test_batched_draws_equal_one_row_at_a_time():
+    """The engine draws a step's tokens together (sample_many); each row must get the token the
+    one-row sampler gives it with the same generator, whatever rows share the call: greedy,
+    temperatures, logit bias, and rows that need the one-row path (top-p, penalties)."""
+    import random
+
+    from probity.engine.sampler import new_generator, sample, sample_many
+    from probity.engine.sequence import Request, Sampling
+
+    class Seq:
+        def __init__(self, sampling, seed):
+            self.request = Request(1, sampling, [[1]])
+            self.generator = new_generator(seed, 0)
+            self.counts = torch.zeros(500)
+            self.counts[:50] = 1
+
+    rng = random.Random(11)
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.3),
+             dict(temperature=1.0, logit_bias={3: -100.0, 7: 5.0}), dict(temperature=0.0, logit_bias={9: 50.0}),
+             dict(temperature=0.9, top_p=0.8), dict(temperature=1.0, presence_penalty=0.5)]
+    for _ in range(40):
+        b = rng.choice([1, 2, 3, 8, 33])
+        rows = [torch.randn(500, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) * rng.choice([1, 4])
+                for _ in range(b)]
+        specs = [(rng.choice(kinds), rng.randrange(1 << 40)) for _ in range(b)]
+        one = [sample(r, Seq(Sampling(**k), seed)) for r, (k, seed) in zip(rows, specs)]
+        many = sample_many(rows, [Seq(Sampling(**k), seed) for k, seed in specs])
+        assert many == one

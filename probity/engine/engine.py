@@ -14,7 +14,7 @@ from .loader import Loaded, log
 from .pipe import Writer, open_pipe
 from .model import UnsupportedModel
 from .runner import ModelRunner
-from .sampler import new_generator, sample, top_tables
+from .sampler import new_generator, sample_many, top_tables
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status, StopText
 from .submit import Refusal, parse_generate, run_op
@@ -213,10 +213,12 @@ class Engine:
             self.scheduler.register(seq)
             if res.echo:
                 self.send_echo(seq, res.echo)
-            if res.logits is not None:
-                self.advance(seq, res.logits, res.lp)
-            elif seq.remaining == 0 and not self.wants_sample(seq):
+            if res.logits is None and seq.remaining == 0 and not self.wants_sample(seq):
                 self.finish(seq, "length")  # max_tokens 0: the echo was all that was asked
+        drawn = [(seq, res) for (seq, _), res in zip(batch, results) if res.logits is not None]
+        tokens = sample_many([res.logits for _, res in drawn], [seq for seq, _ in drawn])
+        for (seq, res), token in zip(drawn, tokens):
+            self.advance(seq, token, res.lp)
         for req in {id(seq.request): seq.request for seq, _ in batch}.values():
             if req.finished and self.requests.get(req.id) is req:
                 self.done(req)
@@ -266,16 +268,15 @@ class Engine:
     def table(self, pairs) -> list:
         return [[i, self.vocab.token_bytes[i].hex(), finite_or_none(v)] for i, v in pairs]
 
-    def advance(self, seq: Sequence, logits: torch.Tensor, lp: torch.Tensor) -> None:
-        """Sample one token from the last position's raw logits and report it."""
+    def advance(self, seq: Sequence, token: int, lp: torch.Tensor) -> None:
+        """Report the token sampled from the last position (lp: that row's log-softmax)."""
         s = seq.request.sampling
-        token = sample(logits, seq)
         seq.out.append(token)
         self.tokens_since_stats += 1
         self.generated_tokens += 1
         if s.presence_penalty or s.frequency_penalty:
             if seq.counts is None:
-                seq.counts = torch.zeros(logits.shape[-1])
+                seq.counts = torch.zeros(lp.shape[-1])
             seq.counts[token] += 1
         entry = {"id": token, "bytes": self.vocab.token_bytes[token].hex(),
                  "logprob": finite_or_none(lp[token].item())}

@@ -181,7 +181,7 @@ class ModelRunner:
             echo_rows: dict[int, list[int]] = {}
             for j, (_, i, kind, p, _) in enumerate(chunk):
                 if kind == "sample":
-                    results[i].logits, results[i].lp = logits[j].clone(), lp[j].clone()
+                    results[i].logits, results[i].lp = logits[j], lp[j]
                 else:
                     echo_rows.setdefault(i, []).append(j)
             for i, js in echo_rows.items():

@@ -94,6 +94,49 @@ def sample(logits: torch.Tensor, seq: Sequence) -> int:
     return pick if order is None else int(order[pick])
 
 
+def plain(seq: Sequence) -> bool:
+    """Sampling with at most a logit bias and a temperature: what sample_many does for many
+    rows at once."""
+    s: Sampling = seq.request.sampling
+    return (s.top_p == 1.0 and not s.top_k and not s.presence_penalty and not s.frequency_penalty)
+
+
+def sample_many(rows: list[torch.Tensor], seqs: list[Sequence]) -> list[int]:
+    """`sample(rows[j], seqs[j])` for every j, the plain ones in a few batched ops. Every op here
+    works row by row (argmax, softmax, cumsum and searchsorted along the vocabulary), so a row
+    draws the same token whatever rows share the call; tests/test_sampling.py checks it against
+    `sample` one row at a time."""
+    out: list[int | None] = [None] * len(seqs)
+    batch = [j for j, q in enumerate(seqs) if plain(q)]
+    for j, q in enumerate(seqs):
+        if not plain(q):
+            out[j] = sample(rows[j], q)
+    if not batch:
+        return out
+    x = torch.stack([rows[j] for j in batch]).float()
+    for r, j in enumerate(batch):
+        bias = seqs[j].request.sampling.logit_bias
+        if bias:
+            x[r, torch.tensor(list(bias.keys()))] += torch.tensor(list(bias.values()), dtype=x.dtype)
+    temps: dict[float, list[int]] = {}
+    for r, j in enumerate(batch):
+        temps.setdefault(seqs[j].request.sampling.temperature, []).append(r)
+    greedy = temps.pop(0.0, [])
+    if greedy:
+        for r, tok in zip(greedy, torch.argmax(x[greedy], dim=-1).tolist()):  # first maximum
+            out[batch[r]] = tok
+    if temps:
+        drawn = [r for rs in temps.values() for r in rs]
+        scaled = torch.cat([x[rs] / t for t, rs in temps.items()])
+        cum = torch.cumsum(torch.softmax(scaled.double(), dim=-1), dim=-1)
+        u = torch.stack([torch.rand((), generator=seqs[batch[r]].generator, dtype=torch.float64) for r in drawn])
+        u = u * cum[:, -1]
+        picks = torch.searchsorted(cum, u[:, None], right=True)[:, 0].clamp_(max=cum.shape[1] - 1).tolist()
+        for r, tok in zip(drawn, picks):
+            out[batch[r]] = tok
+    return out
+
+
 _MT_N = 624
 _STATE_BYTES = 5056  # torch's CPU generator state: {u64 seed; i32 left, seeded; u64 next; u64 mt[624]; ...}
 
