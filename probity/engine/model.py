@@ -8,8 +8,8 @@ checks it bit for bit:
 - Linear layers run through oneDNN with weights prepacked once (`_linear_pointwise`): every
   row is reduced in the same order whatever the row count (plain `F.linear` switches kernels
   with the row count below 16 rows). Calls get at least MIN_ROWS rows, padded.
-- Attention gathers each sequence's keys from the paged pool, padded with masked positions to
-  a multiple of KEY_ALIGN, and computes `exp(s - max) @ [V | 1]`: the softmax denominator comes
+- Attention gathers each sequence's keys from the paged pool (whole blocks, masked past its
+  position), and computes `exp(s - max) @ [V | 1]`: the softmax denominator comes
   out of the same GEMM as the values, so it is reduced in the same order as they are; masked
   positions contribute exact zeros, so the padded length does not change a bit. The value
   GEMM reduces over the keys in fixed slices of KEY_ALIGN keys whose partial results are summed
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 MIN_ROWS = 2      # rows per GEMM call; below it a kernel may reduce differently
-KEY_ALIGN = 64    # attention key length is padded to a multiple of this
+KEY_ALIGN = 16    # attention key length is a multiple of this, and the value GEMM reduces in slices of it
 
 
 class UnsupportedModel(Exception):
@@ -124,7 +124,8 @@ class Model:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # query rows per attention GEMM, at least: below about head_dim/24 rows the score GEMM
         # (keys read transposed) takes another kernel on this CPU and reduces differently
-        self.attn_rows = max(MIN_ROWS, self.head_dim // 8)
+        # (measured: head dim 64 up to 2 rows, 128 up to 5, 256 up to 10)
+        self.attn_rows = max(MIN_ROWS, self.head_dim // 16 + 1)
         inner = hf_model.model
         self.embed = inner.embed_tokens.weight.detach().float()
         rot = inner.rotary_emb
