@@ -79,20 +79,20 @@ class Engine:
         while True:
             if not self.scheduler.has_work:
                 if busy:  # idle for any reason (finished, cancelled, failed): say so now
-                    self.maybe_stats(became_idle=True)
+                    self.maybe_stats(changed=True)
                     busy = False
                 if self.shutting_down:
                     os._exit(0)
                 self.handle(self.inbox.get())
             self.poll()  # a CANCEL takes effect before the next forward
             if self.scheduler.has_work:
-                busy = True
                 self.step()
-                self.maybe_stats(became_idle=False)
+                self.maybe_stats(changed=not busy)  # busy now: say so at once, then once a second
+                busy = True
 
-    def maybe_stats(self, became_idle: bool) -> None:
+    def maybe_stats(self, changed: bool) -> None:
         now = time.monotonic()
-        if now - self.last_stats < STATS_EVERY and not became_idle:
+        if now - self.last_stats < STATS_EVERY and not changed:
             return
         self.out.send("STATS", 0, {
             "active": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

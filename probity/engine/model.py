@@ -109,6 +109,12 @@ class AttnGroup:
     keep: torch.Tensor | None    # which of the items*rows results are kept (None: all)
     mask: torch.Tensor           # [items, rows, nb*block_size] True where a key is not visible
     blocks: torch.Tensor         # [items*nb] the block table, padded with the zero block
+    # decode groups only: "keep" = gather the keys and keep them for the next step; "reuse" =
+    # the kept keys are this group's (same sequences, same length, tables only grown), so only
+    # the new position of each item (`new_at`, in items*L) is written into them
+    kept: str | None = None
+    new_at: torch.Tensor | None = None
+    members: list | None = None  # decode groups: the sequences, in item order
 
 
 class Model:
@@ -163,6 +169,9 @@ class Model:
         # each position's final hidden state, so echo for a cached prefix is the head over the
         # very rows that were computed (the head is row-invariant: identical logits)
         self.h_pool = torch.zeros(num_blocks, block_size, cfg.hidden_size)
+        # one decode group's gathered keys and values per layer, kept from step to step
+        self.kept_k: list[torch.Tensor | None] = [None] * L
+        self.kept_v: list[torch.Tensor | None] = [None] * L
 
     @staticmethod
     def bytes_per_token(cfg) -> int:
@@ -198,7 +207,7 @@ class Model:
             self.v_pool[li].view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, slots, v.transpose(0, 1))
             attn = torch.empty(T, H, hd)
             for g in groups:
-                self._attend(li, q, g, attn)
+                self._attend(li, q, k, v, g, attn)
             h = h + layer.o(attn.view(T, H * hd))
             x = rms_norm(h, layer.ln_post, self.eps)
             gu = layer.gate_up(x)
@@ -211,15 +220,37 @@ class Model:
     def hidden_at(self, slots: torch.Tensor) -> torch.Tensor:
         return self.h_pool.view(-1, self.h_pool.shape[-1])[slots]
 
-    def _attend(self, li: int, q: torch.Tensor, g: AttnGroup, out: torch.Tensor) -> None:
+    def drop_kept(self) -> None:
+        self.kept_k = [None] * len(self.layers)
+        self.kept_v = [None] * len(self.layers)
+
+    def _keys(self, li: int, k: torch.Tensor, v: torch.Tensor, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's keys [KV, items, L, hd] and values [KV, items, L, hd+1]: gathered from the
+        pool, or the ones kept from the last step with this step's new positions written in.
+        Both hold the same floats at every visible position (a position past an item's own
+        length may be zero in one and stale in the other: it is masked, its weight an exact 0)."""
+        KV, hd = self.n_kv, self.head_dim
+        L = g.nb * self.block_size
+        if g.kept == "reuse":
+            keys, vals = self.kept_k[li], self.kept_v[li]
+            keys.view(KV, -1, hd).index_copy_(1, g.new_at, k.index_select(0, g.dest).transpose(0, 1))
+            vals.view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, g.new_at, v.index_select(0, g.dest).transpose(0, 1))
+            return keys, vals
+        keys = self.k_pool[li].index_select(1, g.blocks).view(KV, g.items, L, hd)
+        vals = self.v_pool[li].index_select(1, g.blocks).view(KV, g.items, L, hd + 1)
+        if g.kept == "keep":
+            self.kept_k[li], self.kept_v[li] = keys, vals
+        return keys, vals
+
+    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttnGroup,
+                out: torch.Tensor) -> None:
         H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group
         items, n = g.items, g.rows
         L = g.nb * self.block_size
         # queries [KV, items, G*n, hd], scaled before the GEMM
         qs = (q.index_select(0, g.idx) * self.scale).view(items, n, KV, G, hd).permute(2, 0, 3, 1, 4)
         qs = qs.reshape(KV, items, G * n, hd)
-        keys = self.k_pool[li].index_select(1, g.blocks).view(KV, items, L, hd)
-        vals = self.v_pool[li].index_select(1, g.blocks).view(KV, items, L, hd + 1)
+        keys, vals = self._keys(li, k, v, g)
         s = torch.matmul(qs, keys.transpose(-1, -2))                                          # [KV, items, G*n, L]
         s = s.view(KV, items, G, n, L).masked_fill_(g.mask[None, :, None], float("-inf"))
         e = s.sub_(s.amax(-1, keepdim=True)).exp_().view(KV, items, G * n, L // KEY_ALIGN, KEY_ALIGN)

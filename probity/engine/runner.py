@@ -15,6 +15,7 @@ from .sampler import top_lists, with_chosen
 from .sequence import Sequence
 
 BLOCK_SIZE = 16
+KEPT_KEYS_BYTES = 256 << 20   # at most this much of one decode group's gathered keys is kept between steps
 
 
 class EchoCache:
@@ -95,6 +96,12 @@ class ModelRunner:
         self.context_length = min(ctx, self.pool.capacity_tokens)
         self.head_rows = head_rows
         self.align = KEY_ALIGN // BLOCK_SIZE
+        # the decode group whose gathered keys the model keeps: its sequences (held, so their
+        # identity cannot be reused), key blocks and block tables
+        self.kept: tuple[list, int, list[list[int]]] | None = None
+        cfg_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kept_bytes_per_key = cfg.num_hidden_layers * cfg_kv * (2 * head_dim + 1) * 4
 
     def _groups(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> list[AttnGroup]:
         """Sequences are attended together when their new rows and their key blocks fall in the
@@ -127,7 +134,34 @@ class ModelRunner:
                 items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
                 keep=None if len(keep) == len(idx) else torch.tensor(keep),
                 mask=torch.arange(nb * bs)[None, None, :] > qpos_t[:, :, None], blocks=torch.tensor(blocks)))
+            groups[-1].members = [batch[i][0] for i in members] if all(batch[i][1] == 1 for i in members) else None
+        self._keep_decode_keys(groups)
         return groups
+
+    def _keep_decode_keys(self, groups: list[AttnGroup]) -> None:
+        """Decoding sequences attend over keys gathered from the pool, and a gather is a copy of
+        all of them every step. The largest decode group keeps its gathered keys (within
+        KEPT_KEYS_BYTES) and the next step writes only its new positions into them, as long as
+        it holds the same sequences with the same key length and their tables have only grown."""
+        decode = [g for g in groups if g.members is not None]
+        g = max(decode, key=lambda g: g.items, default=None)
+        if g is None or g.items * g.nb * self.pool.block_size * self.kept_bytes_per_key > KEPT_KEYS_BYTES:
+            if self.kept is not None:
+                self.kept = None
+                self.model.drop_kept()
+            return
+        bs = self.pool.block_size
+        tables = [seq.blocks[: self.pool.blocks_for(seq.num_computed + 1)] for seq in g.members]
+        old = self.kept
+        if (old is not None and old[1] == g.nb and len(old[0]) == len(g.members)
+                and all(a is b for a, b in zip(old[0], g.members))
+                and all(t[: len(o)] == o for t, o in zip(tables, old[2]))):
+            g.kept = "reuse"
+            L = g.nb * bs
+            g.new_at = torch.tensor([j * L + seq.num_computed for j, seq in enumerate(g.members)])
+        else:
+            g.kept = "keep"
+        self.kept = (g.members, g.nb, tables)
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
