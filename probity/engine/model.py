@@ -34,6 +34,7 @@ import torch.nn.functional as F
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 MIN_ROWS = 2      # rows per GEMM call; below it a kernel may reduce differently
+SLICE_RUN = 32    # value-GEMM slices summed together before runs are added in order
 KEY_ALIGN = 16    # attention key length is a multiple of this, and the value GEMM reduces in slices of it
 
 
@@ -256,9 +257,15 @@ class Model:
         e = s.sub_(s.amax(-1, keepdim=True)).exp_().view(KV, items, G * n, L // KEY_ALIGN, KEY_ALIGN)
         # the value GEMM reduces over the keys in fixed slices of KEY_ALIGN, summed in order: a
         # GEMM over the whole length may change its reduction with the length (it does on this
-        # CPU past a few hundred keys), and then padding would change the bits
-        parts = torch.matmul(e.transpose(2, 3), vals.view(KV, items, L // KEY_ALIGN, KEY_ALIGN, hd + 1))
-        o = parts.cumsum(2)[:, :, -1]                                                         # [KV, items, G*n, hd+1]
+        # CPU past a few hundred keys), and then padding would change the bits. Slices are
+        # summed SLICE_RUN at a time (positions 0.., SLICE_RUN*KEY_ALIGN.., ...), and the runs
+        # in order, so partial results stay bounded; padding only adds runs and slices of zeros.
+        e = e.transpose(2, 3)
+        vals = vals.view(KV, items, L // KEY_ALIGN, KEY_ALIGN, hd + 1)
+        o = None
+        for a in range(0, L // KEY_ALIGN, SLICE_RUN):
+            run = torch.matmul(e[:, :, a:a + SLICE_RUN], vals[:, :, a:a + SLICE_RUN]).cumsum(2)[:, :, -1]
+            o = run if o is None else o + run                                                 # [KV, items, G*n, hd+1]
         o = (o[..., :hd] / o[..., hd:]).view(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
         if g.keep is not None:
             o = o.index_select(0, g.keep)
