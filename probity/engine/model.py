@@ -253,8 +253,9 @@ class Model:
             keys.view(KV, -1, hd).index_copy_(1, g.new_at, k.index_select(0, g.dest).transpose(0, 1))
             vals.view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, g.new_at, v.index_select(0, g.dest).transpose(0, 1))
             return keys, vals
-        keys = self.k_pool[li].index_select(1, g.blocks).view(KV, g.items, L, hd)
-        vals = self.v_pool[li].index_select(1, g.blocks).view(KV, g.items, L, hd + 1)
+        # whole blocks as flat rows: index_select copies each with one memcpy-like move
+        keys = self.k_pool[li].flatten(2).index_select(1, g.blocks).view(KV, g.items, L, hd)
+        vals = self.v_pool[li].flatten(2).index_select(1, g.blocks).view(KV, g.items, L, hd + 1)
         if g.kept == "keep":
             self.kept_k[li], self.kept_v[li] = keys, vals
         return keys, vals
