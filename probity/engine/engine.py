@@ -326,6 +326,22 @@ class Engine:
         })
 
 
+def keep_freed_memory() -> None:
+    """glibc hands large freed blocks back to the kernel (munmap, heap trimming) and maps them
+    anew for the next allocation, so a step's temporaries (MBs each) fault their pages in again
+    every step, and how often depends on the allocation history: the same workload ran 8%
+    slower in one engine than in another. Allocations below 32 MiB come from the heap, and
+    the heap is not trimmed below 1 GiB of free space. Glibc only; elsewhere nothing changes."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -338,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefix-cache", action="store_true")
     args = ap.parse_args(argv)
 
+    keep_freed_memory()
     out, inbox = open_pipe()
 
     from .loader import ModelNotFound, load
