@@ -253,7 +253,7 @@ class Model:
             keys.view(KV, -1, hd).index_copy_(1, g.new_at, k.index_select(0, g.dest).transpose(0, 1))
             vals.view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, g.new_at, v.index_select(0, g.dest).transpose(0, 1))
             return keys, vals
-        # whole blocks as flat rows: index_select copies each with one memcpy-like move
+        # whole blocks as flat rows: one contiguous copy per block
         keys = self.k_pool[li].flatten(2).index_select(1, g.blocks).view(KV, g.items, L, hd)
         vals = self.v_pool[li].flatten(2).index_select(1, g.blocks).view(KV, g.items, L, hd + 1)
         if g.kept == "keep":
@@ -272,7 +272,8 @@ class Model:
         s = torch.matmul(qs, keys.transpose(-1, -2)).view(KV, items, G, n, L)                 # [KV, items, G, n, L]
         # softmax numerators: the row maximum over visible keys, then exp(s - max) at visible keys
         # and an exact 0 elsewhere. Masked scores are multiplied by 0 before the exp (exp of -inf
-        # or of an underflowing value takes a slow path, ~10x on this CPU) and after it.
+        # or of an underflowing value takes a slow path, ~10x on this CPU) and after it. A masked
+        # score is finite (keys are zeros or values the model computed), so it becomes an exact 0.
         vis = g.visible[None, :, None]
         top = torch.add(s, g.hide[None, :, None]).amax(-1, keepdim=True)
         e = s.sub_(top).mul_(vis).exp_().mul_(vis).view(KV, items, G * n, L // KEY_ALIGN, KEY_ALIGN)
