@@ -130,11 +130,11 @@ class ModelRunner:
                 used = seq.blocks[: self.pool.blocks_for(a + n)]
                 blocks += used + [0] * (nb - len(used))
             qpos_t = torch.tensor(qpos)
-            hidden = torch.arange(nb * bs)[None, None, :] > qpos_t[:, :, None]
+            masked = torch.arange(nb * bs)[None, None, :] > qpos_t[:, :, None]
             groups.append(AttnGroup(
                 items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
                 keep=None if len(keep) == len(idx) else torch.tensor(keep),
-                visible=(~hidden).float(), hide=torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")),
+                visible=(~masked).float(), hide=torch.zeros(masked.shape).masked_fill_(masked, float("-inf")),
                 blocks=torch.tensor(blocks)))
             groups[-1].members = [batch[i][0] for i in members] if all(batch[i][1] == 1 for i in members) else None
         self._keep_decode_keys(groups)
