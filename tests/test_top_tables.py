@@ -42,3 +42,17 @@ def test_top_tables_match_a_full_sort_with_ties_anywhere():
     for row, c, k in zip(rows, chosen, ks):
         got = top_tables(row.unsqueeze(0), [c], k)[0]
         assert got == brute(row, c, k), (k, row.tolist(), c)
+
+
+def test_top_tables_of_vocabulary_wide_rows_tied_at_the_top():
+    """Rows as wide as a real vocabulary, whose maximum is repeated at random places: a top-1
+    table names the lowest of the tied ids (the vectorized path over long rows), top-2 both."""
+    rng = random.Random(11)
+    rows = torch.round(torch.randn(12, 49152, generator=torch.Generator().manual_seed(3)) * 4) / 4
+    for r in range(rows.shape[0]):
+        for i in rng.sample(range(49152), 3):
+            rows[r, i] = 9.0
+    chosen = [rng.randrange(49152) for _ in range(rows.shape[0])]
+    for k in (1, 2):
+        got = top_tables(rows, chosen, k)
+        assert got == [brute(row, c, k) for row, c in zip(rows, chosen)]

@@ -72,15 +72,29 @@ class Linear:
         y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
         return y[:n] if n < MIN_ROWS else y
 
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + (x W^T + b), the add done by the GEMM as it writes its output (one pass
+        over the rows instead of two). It is the same IEEE add of the same two floats, so the
+        bits are those of `residual + self(x)`."""
+        n = x.shape[0]
+        if n < MIN_ROWS:
+            x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
+            residual = torch.cat([residual, residual.new_zeros(MIN_ROWS - n, residual.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.w, self.b, "add")
+        return y[:n] if n < MIN_ROWS else y
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, x * cos + rotate_half(x) * sin, with rotate_half's negation carried by
+    `signed_sin` (its first half negated): x2 * -s is exactly -(x2 * s), so the bits are those
+    of the textbook form, one pass over the rows fewer."""
     half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+    rot = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * signed_sin
 
 
 def tree_sum(part: torch.Tensor) -> torch.Tensor:
@@ -209,6 +223,8 @@ class Model:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling)[:, None, :]
         sin = (emb.sin() * self.rope_scaling)[:, None, :]
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)   # rotate()'s signed sin
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln_in, self.eps)
@@ -225,11 +241,11 @@ class Model:
             attn = torch.empty(T, H, hd)
             for g in groups:
                 self._attend(li, q, k, v, g, attn)
-            h = h + layer.o(attn.view(T, H * hd))
+            h = layer.o.add_to(attn.view(T, H * hd), h)
             x = rms_norm(h, layer.ln_post, self.eps)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
-            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            h = layer.down.add_to(F.silu(gu[:, :inter]) * gu[:, inter:], h)
         h = rms_norm(h, self.norm, self.eps)
         self.h_pool.view(-1, h.shape[1])[slots] = h
         return h

@@ -31,6 +31,9 @@ def top_lists(lp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     rows = lp.shape[0]
     if k == 0:
         return [[] for _ in range(rows)]
+    if k == 1:  # max along a row returns its first maximum: the lowest id among ties
+        v, i = torch.max(lp, dim=-1)
+        return [[(a, b)] for a, b in zip(i.tolist(), v.tolist())]
     # torch.topk does not promise an order among equal values, nor which of several entries
     # tied at the k-th value it keeps. Taking k+1 shows where that can matter: a row whose
     # (k+1)-th value equals its k-th has a tie across the cut and is redone exactly; in any
