@@ -245,7 +245,7 @@ class Model:
             x = rms_norm(h, layer.ln_post, self.eps)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
-            h = layer.down.add_to(F.silu(gu[:, :inter]) * gu[:, inter:], h)
+            h = layer.down.add_to(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), h)
         h = rms_norm(h, self.norm, self.eps)
         self.h_pool.view(-1, h.shape[1])[slots] = h
         return h
