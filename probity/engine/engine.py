@@ -9,15 +9,15 @@ import traceback
 import torch
 
 from .. import protocol as P
-from ..protocol import Frame, finite_or_none
+from ..protocol import finite_or_none
 from .loader import Loaded, log
-from .pipe import Writer, open_pipe
+from .pipe import FrameHandler, Writer, open_pipe
 from .model import UnsupportedModel
 from .runner import ModelRunner
 from .sampler import new_generator, sample_many, top_tables
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status, StopText
-from .submit import Refusal, parse_generate, run_op
+from .submit import Refusal, parse_generate
 from .vocab import Vocab
 
 ECHO_CHUNK = 256
@@ -25,7 +25,7 @@ STATS_EVERY = 1.0  # seconds between STATS frames while there is work
 ENGINE_BUILD = "probity-engine-2"
 
 
-class Engine:
+class Engine(FrameHandler):
     def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, max_running: int = 64,
                  threads: int | None = None, step_tokens: int = 512, kv_cache_gib: float = 2.0,
                  prefix_cache: bool = True):
@@ -104,52 +104,7 @@ class Engine:
         self.tokens_since_stats = 0
         self.last_stats = now
 
-    def poll(self) -> None:
-        while True:
-            try:
-                frame = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self.handle(frame)
-
-    def handle(self, frame: Frame) -> None:
-        if frame.kind == "SUBMIT":
-            self.submit(frame.id, frame.payload)
-        elif frame.kind == "CANCEL":
-            self.cancel(frame.id)
-        elif frame.kind == "SHUTDOWN":
-            self.shutting_down = True
-
-    def refuse(self, rid: int, r: Refusal) -> None:
-        payload = {"code": r.code, "message": r.message[:8000]}
-        if r.param:
-            payload["param"] = r.param
-        if r.member is not None:
-            payload["member"] = r.member
-        self.out.send("ERROR", rid, payload)
-
     # ------------------------------------------------------------ requests
-    def submit(self, rid: int, p: dict) -> None:
-        if rid == 0 or rid in self.requests:
-            self.refuse(rid, Refusal("BAD_REQUEST", "request id 0 or already in use", "id"))
-            return
-        if self.shutting_down:
-            self.refuse(rid, Refusal("OVERLOADED", "engine is shutting down"))
-            return
-        try:
-            op = p["op"]
-            if op == "generate":
-                self.start_generate(rid, p)
-            else:
-                result = run_op(op, p, self.vocab)
-                self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": result.get("count", 0), "cached_tokens": 0}]})
-                self.out.send("DONE", rid, {"result": result})
-        except Refusal as r:
-            self.refuse(rid, r)
-        except Exception as e:
-            log(f"request {rid} failed before acceptance: {traceback.format_exc()}")
-            self.refuse(rid, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
-
     def start_generate(self, rid: int, p: dict) -> None:
         sampling, prompts = parse_generate(p, self.vocab, self.runner.context_length)
         req = Request(rid, sampling, prompts)

@@ -6,9 +6,11 @@ import os
 import queue
 import sys
 import threading
+import traceback
 
 from .. import protocol as P
 from .loader import log
+from .submit import Refusal, run_op
 
 
 class Writer:
@@ -57,3 +59,54 @@ def open_pipe() -> tuple[Writer, queue.Queue]:
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=read_loop, args=(stdin, inbox, out), daemon=True).start()
     return out, inbox
+
+
+class FrameHandler:
+    """What every engine backend does with the frames it reads, whatever runs its forwards:
+    SUBMIT (a generation, or a tokenizer op answered at once), CANCEL and SHUTDOWN, and a named
+    ERROR for a request refused before it was accepted. A backend provides `out`, `inbox`,
+    `requests`, `vocab`, `shutting_down`, `start_generate(rid, payload)` and `cancel(rid)`."""
+
+    def poll(self) -> None:
+        while True:
+            try:
+                frame = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.handle(frame)
+
+    def handle(self, frame: P.Frame) -> None:
+        if frame.kind == "SUBMIT":
+            self.submit(frame.id, frame.payload)
+        elif frame.kind == "CANCEL":
+            self.cancel(frame.id)
+        elif frame.kind == "SHUTDOWN":
+            self.shutting_down = True
+
+    def refuse(self, rid: int, r: Refusal) -> None:
+        payload = {"code": r.code, "message": r.message[:8000]}
+        if r.param:
+            payload["param"] = r.param
+        if r.member is not None:
+            payload["member"] = r.member
+        self.out.send("ERROR", rid, payload)
+
+    def submit(self, rid: int, p: dict) -> None:
+        if rid == 0 or rid in self.requests:
+            self.refuse(rid, Refusal("BAD_REQUEST", "request id 0 or already in use", "id"))
+            return
+        if self.shutting_down:
+            self.refuse(rid, Refusal("OVERLOADED", "engine is shutting down"))
+            return
+        try:
+            if p["op"] == "generate":
+                self.start_generate(rid, p)
+            else:
+                result = run_op(p["op"], p, self.vocab)
+                self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": result.get("count", 0), "cached_tokens": 0}]})
+                self.out.send("DONE", rid, {"result": result})
+        except Refusal as r:
+            self.refuse(rid, r)
+        except Exception as e:
+            log(f"request {rid} failed before acceptance: {traceback.format_exc()}")
+            self.refuse(rid, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))

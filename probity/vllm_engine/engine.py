@@ -21,9 +21,9 @@ import traceback
 
 from .. import protocol as P
 from ..engine.loader import folder_digest, log
-from ..engine.pipe import Writer, open_pipe
+from ..engine.pipe import FrameHandler, Writer, open_pipe
 from ..engine.sequence import Sampling, StopText, choice_seed
-from ..engine.submit import Refusal, parse_generate, run_op
+from ..engine.submit import Refusal, parse_generate
 from ..engine.vocab import Vocab
 from . import config
 from .request import Req, Seq
@@ -32,7 +32,7 @@ ECHO_CHUNK = 256
 STATS_EVERY = 1.0
 
 
-class VllmEngine:
+class VllmEngine(FrameHandler):
     def __init__(self, llm, vocab: Vocab, out: Writer, inbox: queue.Queue, model_id: str, source: str,
                  digest: str, concurrency: int):
         import vllm
@@ -98,30 +98,6 @@ class VllmEngine:
                 self.step()
                 self.maybe_stats(became_idle=False)
 
-    def poll(self) -> None:
-        while True:
-            try:
-                frame = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self.handle(frame)
-
-    def handle(self, frame: P.Frame) -> None:
-        if frame.kind == "SUBMIT":
-            self.submit(frame.id, frame.payload)
-        elif frame.kind == "CANCEL":
-            self.cancel(frame.id)
-        elif frame.kind == "SHUTDOWN":
-            self.shutting_down = True
-
-    def refuse(self, rid: int, r: Refusal) -> None:
-        payload = {"code": r.code, "message": r.message[:8000]}
-        if r.param:
-            payload["param"] = r.param
-        if r.member is not None:
-            payload["member"] = r.member
-        self.out.send("ERROR", rid, payload)
-
     def answer(self, rid: int, kind: str, payload: dict) -> None:
         """A request's terminal frame. When it leaves the engine idle, the idle STATS goes first,
         so a server that has seen the answer has seen the figures it left behind."""
@@ -145,26 +121,6 @@ class VllmEngine:
         self.last_stats = now
 
     # ------------------------------------------------------------ requests
-    def submit(self, rid: int, p: dict) -> None:
-        if rid == 0 or rid in self.requests:
-            self.refuse(rid, Refusal("BAD_REQUEST", "request id 0 or already in use", "id"))
-            return
-        if self.shutting_down:
-            self.refuse(rid, Refusal("OVERLOADED", "engine is shutting down"))
-            return
-        try:
-            if p["op"] == "generate":
-                self.start_generate(rid, p)
-            else:
-                result = run_op(p["op"], p, self.vocab)
-                self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": result.get("count", 0), "cached_tokens": 0}]})
-                self.out.send("DONE", rid, {"result": result})
-        except Refusal as r:
-            self.refuse(rid, r)
-        except Exception as e:
-            log(f"request {rid} failed before acceptance: {traceback.format_exc()}")
-            self.refuse(rid, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
-
     def params(self, s: Sampling, choice: int, echo: bool):
         """vLLM sampling parameters for one sequence. Log probabilities are always asked for:
         every TOKEN carries the chosen token's value, `logprobs` only adds the table."""
