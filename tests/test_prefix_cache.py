@@ -9,7 +9,7 @@ import random
 import pytest
 
 from conftest import TINY_ID, LiveServer
-from test_completions import ok
+from test_completions import PROBE_WORK, add, engine_work, ok
 
 BLOCK = 16
 NO_EOS = {"2": -100}
@@ -73,6 +73,19 @@ def test_cache_equals_no_cache_random_overlaps(tiny_server, cold):
     _compare(tiny_server, cold, seed=1, n=30)
 
 
+def test_cache_equals_no_cache_for_arrays_sharing_prefixes(tiny_server, small_pool, cold):
+    """Members of one array that share prefixes of random lengths run in the same steps, the
+    later ones reading blocks the earlier ones fill in that very forward pass: every number
+    is still the cold server's, with a roomy pool and with one that evicts all the time."""
+    rng = random.Random(8)
+    for _ in range(8):
+        members = overlapping_prompts(rng, rng.randint(2, 6))
+        body = request(members, rng)
+        want = numbers(cold, body)
+        for server in (tiny_server, small_pool):
+            assert numbers(server, body) == want
+
+
 def test_cache_equals_no_cache_under_eviction(small_pool, cold):
     stats0 = small_pool.get("/health").json()["engine"]["stats"]
     _compare(small_pool, cold, seed=2, n=30)
@@ -97,9 +110,12 @@ def test_array_members_share_their_common_context(tiny_server):
     rng = random.Random(6)
     ctx = [rng.randrange(3, 390) for _ in range(100)]
     members = [ctx + [rng.randrange(3, 390) for _ in range(6)] for _ in range(4)]
+    before = engine_work(tiny_server)
     r = ok(tiny_server, model=TINY_ID, prompt=members, max_tokens=1, echo=True, logprobs=1, temperature=0)
-    # the first member computes the 6 full blocks of the context; the other three reuse them
+    # the first member computes the 6 full blocks of the context; the other three reuse them,
+    # in the same forward pass: 106 + 3 x (106 - 96) prompt rows, one step
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 6 * BLOCK
+    assert engine_work(tiny_server) == add(add(before, (1, 106 + 3 * 10)), PROBE_WORK)
     solo = [ok(tiny_server, model=TINY_ID, prompt=m, max_tokens=1, echo=True, logprobs=1,
                temperature=0)["choices"][0]["logprobs"]
             for m in members]

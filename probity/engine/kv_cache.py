@@ -3,7 +3,8 @@ and the exact prefix cache over them.
 
 A full block is content-addressed by the SHA-256 chain of its tokens (the parent block's digest
 and the block's token ids), so equal digests mean equal prefixes. A new sequence reuses the
-longest chain of cached full blocks. Blocks are reference-counted: a block nobody uses stays
+longest chain of full blocks that are cached or that a sequence of the same step fills
+(scheduler.py). Blocks are reference-counted: a block nobody uses stays
 cached until the pool needs room (least recently released first); a block in use is never
 evicted. Block 0 is never handed out: it is the zero block that pads block tables."""
 from __future__ import annotations
@@ -83,10 +84,24 @@ class BlockPool:
             n += 1
         return n
 
-    def take_cached(self, digests: list[bytes], n: int, table: list[int]) -> None:
-        """Append the first n cached blocks of the chain to an empty table, as a user of each."""
-        for d in digests[:n]:
-            b = self.by_digest[d]
+    def prefix_blocks(self, digests: list[bytes], inflight: dict[bytes, int]) -> list[int]:
+        """The blocks of the longest leading run of the chain that is cached or being filled in
+        this step (`inflight`: digest -> block). No side effects."""
+        out = []
+        if not self.prefix_cache:
+            return out
+        for d in digests:
+            b = self.by_digest.get(d)
+            if b is None:
+                b = inflight.get(d)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def take(self, blocks: list[int], table: list[int]) -> None:
+        """Append shared blocks (cached or in flight) to an empty table, as a user of each."""
+        for b in blocks:
             if self.refs[b] == 0:
                 del self.idle[b]
             self.refs[b] += 1

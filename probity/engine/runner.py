@@ -195,16 +195,26 @@ class ModelRunner:
         results = [SeqResult() for _ in batch]
         wanted: list[tuple[int, int, str, int, int]] = []
         echo_slots = []
+        # an entry two sequences of this step both need (a block one fills and another shares
+        # in the same step): computed once, given to both
+        first: set[tuple] = set()
+        computed: dict[tuple, tuple[float, list | None]] = {}
+        again: list[tuple[int, int, tuple]] = []
         for i, (seq, n) in enumerate(batch):
             a = seq.num_computed
             if seq.echo_next:
+                k = seq.request.sampling.logprobs
                 pos = list(range(seq.echo_next, min(a + n, len(seq.prompt) - 1) + 1))
                 slots = [seq.blocks[(p - 1) // bs] * bs + (p - 1) % bs for p in pos]
-                hits = self.echo.lookup(slots, [seq.prompt[p] for p in pos], seq.request.sampling.logprobs) if pos else []
+                hits = self.echo.lookup(slots, [seq.prompt[p] for p in pos], k) if pos else []
                 for p, slot, hit in zip(pos, slots, hits):
+                    key = (slot, seq.prompt[p], k)
                     if hit is not None:
                         results[i].echo.append((p, *hit))
+                    elif key in first:
+                        again.append((i, p, key))
                     else:
+                        first.add(key)
                         wanted.append((len(hidden) + len(echo_slots), i, "echo", p, slot))
                         echo_slots.append(slot)
             if a + n == len(seq.tokens) and wants_sample(seq):
@@ -231,6 +241,12 @@ class ModelRunner:
                 self.echo.store([chunk[j][4] for j in js], targets, vals, k, lists)
                 tables = [with_chosen(ls, t, v) for ls, t, v in zip(lists, targets, vals)] if lists is not None else [None] * len(js)
                 results[i].echo += list(zip(pos, vals, tables))
+                if again:
+                    for j, t, v, table in zip(js, targets, vals, tables):
+                        computed[(chunk[j][4], t, k)] = (v, table)
+        for i, p, key in again:
+            v, table = computed[key]
+            results[i].echo.append((p, v, None if table is None else list(table)))
         for r in results:  # cached entries and computed ones, in position order
             r.echo.sort(key=lambda e: e[0])
         return results

@@ -54,9 +54,19 @@ class Scheduler:
             batch.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
-        # blocks some running sequence is about to fill: a waiting sequence that needs one of
-        # them waits for it instead of computing the same prefix again
-        pending = {d for r in self.running for d in r.digests[r.registered:]}
+        # Blocks this step's sequences fill completely (in-flight) can be shared by a sequence
+        # admitted in the same step: every layer writes all of the step's K/V before any row
+        # attends, so its rows read those blocks as if they had been cached, bit for bit (the
+        # rows that fill them are computed the same way whoever reads them). Blocks a running
+        # sequence fills in a later step are pending: a sequence that needs one waits for it
+        # instead of computing the same prefix again (lm-eval's multiple-choice arrays: one
+        # context, several continuations, computed once, in one step).
+        share = self.pool.prefix_cache
+        inflight: dict[bytes, int] = {}
+        if share:
+            for seq, n in batch:
+                self._filling(seq, n, inflight)
+        pending = {d for r in self.running for d in r.digests[r.registered:] if d not in inflight} if share else set()
         admitted = []
         for seq in self.waiting:
             if not budget or len(self.running) >= self.max_running:
@@ -64,15 +74,16 @@ class Scheduler:
             tokens = seq.tokens
             if len(seq.digests) != (len(tokens) - 1) // self.pool.block_size:
                 seq.digests = self.pool.digests(tokens, len(tokens) - 1)  # at least one row is run
-            hit = self.pool.cached_prefix(seq.digests)
+            shared = self.pool.prefix_blocks(seq.digests, inflight)
+            hit = len(shared)
             if hit < len(seq.digests) and seq.digests[hit] in pending:
                 continue
             bs = self.pool.block_size
             n = min(len(tokens) - hit * bs, budget)
-            idle_hits = sum(1 for d in seq.digests[:hit] if self.pool.refs[self.pool.by_digest[d]] == 0)
+            idle_hits = sum(1 for b in shared if self.pool.refs[b] == 0)
             if self.pool.blocks_for(hit * bs + n) - hit > len(self.pool.free) + len(self.pool.idle) - idle_hits:
                 break
-            self.pool.take_cached(seq.digests, hit, seq.blocks)
+            self.pool.take(shared, seq.blocks)
             seq.registered, seq.num_computed = hit, hit * bs
             if seq.cached_tokens is None:
                 seq.cached_tokens = min(hit * bs, len(seq.prompt))
@@ -83,11 +94,19 @@ class Scheduler:
             self.pool.grow(seq.blocks, seq.num_computed + n)
             batch.append((seq, n))
             admitted.append(seq)
-            pending.update(seq.digests[hit:])
+            if share:
+                self._filling(seq, n, inflight)
+                pending.update(d for d in seq.digests[hit:] if d not in inflight)
             budget -= n
         for seq in admitted:
             self.waiting.remove(seq)
         return batch
+
+    def _filling(self, seq: Sequence, n: int, inflight: dict[bytes, int]) -> None:
+        """Note the blocks `seq` fills completely in this step (its next n positions)."""
+        full = min((seq.num_computed + n) // self.pool.block_size, len(seq.digests))
+        for j in range(seq.registered, full):
+            inflight.setdefault(seq.digests[j], seq.blocks[j])
 
     def register(self, seq: Sequence) -> None:
         """Offer the sequence's newly filled blocks to the prefix cache."""
