@@ -155,7 +155,9 @@ def main() -> None:
         systems["raw transformers"] = model
     # Interleaved: in every round each workload runs on each system back to back, so a slow
     # spell of this shared machine hits all of them; the table gives medians over rounds and
-    # the median of the per-round ratios.
+    # the median of the per-round ratios. Odd rounds run the systems in reverse order: the
+    # one that goes first was seen to lose up to ~15% to the one that follows (an A/B of two
+    # identical engines, alternating, gave the second the better figure in 5 of 6 rounds).
     runs: dict[tuple[str, str], list[float]] = {}
     hits: dict[str, list[tuple[int, int]]] = {}
     try:
@@ -164,8 +166,9 @@ def main() -> None:
                 srv.streams(2, 4, w.gen_prompt, False)  # warm-up
         for r in range(args.reps):
             w = Workloads(tok, r + 1)
+            order = list(systems.items())[::-1 if r % 2 else 1]
             for name in names:
-                for sys_name, srv in systems.items():
+                for sys_name, srv in order:
                     if sys_name.startswith("probity, no") and name not in ("score", "mc"):
                         continue
                     if sys_name == "probity":
