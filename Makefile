@@ -57,7 +57,7 @@ serve: $(STAMP)
 	$(BIN)/probity serve
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: setup
 	$(BIN)/python bench/bench_logprobs.py
