@@ -156,8 +156,8 @@ def main() -> None:
     # Interleaved: in every round each workload runs on each system back to back, so a slow
     # spell of this shared machine hits all of them; the table gives medians over rounds and
     # the median of the per-round ratios. Odd rounds run the systems in reverse order: the
-    # one that goes first was seen to lose up to ~15% to the one that follows (an A/B of two
-    # identical engines, alternating, gave the second the better figure in 5 of 6 rounds).
+    # one that goes first was seen to lose to the one that follows (an A/B of two identical
+    # engines, alternating, gave the second the better figure in 5 of 6 rounds, by up to ~45%).
     runs: dict[tuple[str, str], list[float]] = {}
     hits: dict[str, list[tuple[int, int]]] = {}
     try:

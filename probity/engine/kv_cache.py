@@ -77,12 +77,7 @@ class BlockPool:
 
     def cached_prefix(self, digests: list[bytes]) -> int:
         """How many leading blocks of the chain are cached (no side effects)."""
-        if not self.prefix_cache:
-            return 0
-        n = 0
-        while n < len(digests) and digests[n] in self.by_digest:
-            n += 1
-        return n
+        return len(self.prefix_blocks(digests, {}))
 
     def prefix_blocks(self, digests: list[bytes], inflight: dict[bytes, int]) -> list[int]:
         """The blocks of the longest leading run of the chain that is cached or being filled in

@@ -65,22 +65,20 @@ class Linear:
         self.w = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
         self.b = None if bias is None else bias.detach().float().contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b, plus `residual` when given: that add is done by the GEMM as it writes its
+        output (one pass over the rows instead of two). It is the same IEEE add of the same two
+        floats, so the bits are those of `residual + self(x)`."""
         n = x.shape[0]
         if n < MIN_ROWS:
-            x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
-        y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
-        return y[:n] if n < MIN_ROWS else y
-
-    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + (x W^T + b), the add done by the GEMM as it writes its output (one pass
-        over the rows instead of two). It is the same IEEE add of the same two floats, so the
-        bits are those of `residual + self(x)`."""
-        n = x.shape[0]
-        if n < MIN_ROWS:
-            x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
-            residual = torch.cat([residual, residual.new_zeros(MIN_ROWS - n, residual.shape[1])])
-        y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.w, self.b, "add")
+            def pad(t: torch.Tensor) -> torch.Tensor:
+                return torch.cat([t, t.new_zeros(MIN_ROWS - n, t.shape[1])])
+            x = pad(x)
+            residual = None if residual is None else pad(residual)
+        if residual is None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+        else:
+            y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.w, self.b, "add")
         return y[:n] if n < MIN_ROWS else y
 
 
@@ -241,11 +239,11 @@ class Model:
             attn = torch.empty(T, H, hd)
             for g in groups:
                 self._attend(li, q, k, v, g, attn)
-            h = layer.o.add_to(attn.view(T, H * hd), h)
+            h = layer.o(attn.view(T, H * hd), residual=h)
             x = rms_norm(h, layer.ln_post, self.eps)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
-            h = layer.down.add_to(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), h)
+            h = layer.down(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), residual=h)
         h = rms_norm(h, self.norm, self.eps)
         self.h_pool.view(-1, h.shape[1])[slots] = h
         return h
