@@ -184,14 +184,16 @@ def test_default_model_logits_bit_identical_batched_and_chunked():
     assert reported_gap(alone(h, ids), ref, ids) < 1e-4
 
 
-@pytest.fixture(scope="module")
-def wide_head_harness():
+@pytest.fixture(scope="module", params=[2, 4], ids=["gqa", "no-gqa"])
+def wide_head_harness(request):
     """Head dim 64 like the default model, tiny otherwise: the value GEMM of attention reduces
-    over the key length, and a kernel may change how it reduces with that length."""
+    over the key length, and a kernel may change how it reduces with that length. With one
+    query head per KV head ("no-gqa"), a decode row is a single GEMM row unless padded, and a
+    single row takes another kernel."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+                               num_attention_heads=4, num_key_value_heads=request.param, max_position_embeddings=4096)
     torch.manual_seed(1)
     return Harness(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), 256)
 

@@ -9,15 +9,16 @@ checks it bit for bit:
   row is reduced in the same order whatever the row count (plain `F.linear` switches kernels
   with the row count below 16 rows). Calls get at least MIN_ROWS rows, padded.
 - Attention gathers each sequence's keys from the paged pool (whole blocks, masked past its
-  position), and computes `exp(s - max) @ [V | 1]`: the softmax denominator comes
+  position), computes the scores with the keys as the GEMM's rows (reduced the same way for
+  any count of query columns), and `exp(s - max) @ [V | 1]`: the softmax denominator comes
   out of the same GEMM as the values, so it is reduced in the same order as they are; masked
   positions contribute exact zeros, so the padded length does not change a bit. The value
-  GEMM reduces over the keys in fixed slices of KEY_ALIGN keys whose partial results are summed
-  in order (a GEMM over the whole length changes its reduction with the length). Sequences
-  whose new rows and key lengths fall in the same buckets share one batched GEMM (AttnGroup);
-  an item's query rows are padded by repeating its last row, so every attention GEMM holds at
-  least `attn_rows` query rows (grouped-query heads count as rows; below about head_dim/24
-  rows the score GEMM changes kernels) and a row's result does not depend on its companions.
+  GEMM reduces over the keys in fixed slices of KEY_ALIGN keys whose partial results are
+  summed as a pairwise tree (a GEMM over the whole length changes its reduction with the
+  length). Sequences whose new rows and key lengths fall in the same buckets share one
+  batched GEMM (AttnGroup); an item's query rows are padded by repeating its last row, so
+  every value GEMM holds at least MIN_ROWS rows (grouped-query heads count as rows) and a
+  row's result does not depend on its companions.
 - Norms, rotary embeddings and activations are per-row or elementwise.
 
 Families: Llama, Mistral, Qwen2, Qwen3 (their weights read from the transformers module).
@@ -34,8 +35,7 @@ import torch.nn.functional as F
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 MIN_ROWS = 2      # rows per GEMM call; below it a kernel may reduce differently
-SLICE_RUN = 32    # value-GEMM slices summed together before runs are added in order
-KEY_ALIGN = 16    # attention key length is a multiple of this, and the value GEMM reduces in slices of it
+KEY_ALIGN = 64    # attention key length is a multiple of this, and the value GEMM reduces in slices of it
 
 
 class UnsupportedModel(Exception):
@@ -135,7 +135,8 @@ class AttnGroup:
     idx: torch.Tensor            # [items*rows] the step rows whose queries are attended
     dest: torch.Tensor           # the step rows that receive the kept results
     keep: torch.Tensor | None    # which of the items*rows results are kept (None: all)
-    visible: torch.Tensor        # [items, rows, nb*block_size] 1.0 where a key is visible, else 0.0
+    lead: int                    # keys [0, lead) are visible to every row of every item
+    visible: torch.Tensor        # [items, nb*block_size - lead, rows] 1.0 where a key past lead is visible, else 0.0
     hide: torch.Tensor           # the same, 0.0 where a key is visible, else -inf
     blocks: torch.Tensor         # [items*nb] the block table, padded with the zero block
     # decode groups only: "keep" = gather the keys and keep them for the next step; "reuse" =
@@ -157,10 +158,8 @@ class Model:
         self.group = self.n_heads // self.n_kv
         self.eps = float(cfg.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        # query rows per attention GEMM, at least: below about head_dim/24 rows the score GEMM
-        # (keys read transposed) takes another kernel on this CPU and reduces differently
-        # (measured: head dim 64 up to 2 rows, 128 up to 5, 256 up to 10)
-        self.attn_rows = max(MIN_ROWS, self.head_dim // 16 + 1)
+        # query rows per value GEMM, at least: with one row it takes another kernel
+        self.attn_rows = MIN_ROWS
         inner = hf_model.model
         self.embed = inner.embed_tokens.weight.detach().float()
         rot = inner.rotary_emb
@@ -279,30 +278,38 @@ class Model:
         H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group
         items, n = g.items, g.rows
         L = g.nb * self.block_size
+        S = L // KEY_ALIGN
         # queries [KV, items, G*n, hd], scaled before the GEMM
         qs = (q.index_select(0, g.idx) * self.scale).view(items, n, KV, G, hd).permute(2, 0, 3, 1, 4)
         qs = qs.reshape(KV, items, G * n, hd)
         keys, vals = self._keys(li, k, v, g)
-        s = torch.matmul(qs, keys.transpose(-1, -2)).view(KV, items, G, n, L)                 # [KV, items, G, n, L]
-        # softmax numerators: the row maximum over visible keys, then exp(s - max) at visible keys
-        # and an exact 0 elsewhere. Masked scores are multiplied by 0 before the exp (exp of -inf
-        # or of an underflowing value takes a slow path, ~10x on this CPU) and after it. A masked
-        # score is finite (keys are zeros or values the model computed), so it becomes an exact 0.
-        vis = g.visible[None, :, None]
-        top = torch.add(s, g.hide[None, :, None]).amax(-1, keepdim=True)
-        e = s.sub_(top).mul_(vis).exp_().mul_(vis).view(KV, items, G * n, L // KEY_ALIGN, KEY_ALIGN)
-        # the value GEMM reduces over the keys in fixed slices of KEY_ALIGN: a GEMM over the
-        # whole length may change its reduction with the length (it does on this CPU past a few
-        # hundred keys), and then padding would change the bits. The slices' partial results
-        # are added as a pairwise tree, SLICE_RUN slices at a time, and those runs in order; the
-        # tree treats a count that is not a power of two as zero-padded to one, so padding the
-        # keys (more slices of zeros) changes no bit, and partial results stay bounded.
-        e = e.transpose(2, 3)
-        vals = vals.view(KV, items, L // KEY_ALIGN, KEY_ALIGN, hd + 1)
-        o = None
-        for a in range(0, L // KEY_ALIGN, SLICE_RUN):
-            run = tree_sum(torch.matmul(e[:, :, a:a + SLICE_RUN], vals[:, :, a:a + SLICE_RUN]))
-            o = run if o is None else o + run                                                 # [KV, items, G*n, hd+1]
+        # scores with the keys as the GEMM's rows, [KV, items, L, G*n]: each score is one dot
+        # product over the head dim, and with the keys as rows it is reduced the same way for
+        # any count of query columns (the other orientation changes kernels below a few rows)
+        s = torch.matmul(keys, qs.transpose(-1, -2))
+        # softmax numerators: the maximum over visible keys, then exp(s - max) at visible keys and
+        # an exact 0 elsewhere. Keys before `lead` are visible to every row of the group, so only
+        # the tail is masked; a max is exact, so splitting it changes no bit. Masked scores are
+        # multiplied by 0 before the exp (exp of -inf or of an underflowing value takes a slow
+        # path, ~10x on this CPU) and after it; a masked score is finite (keys are zeros or
+        # values the model computed), so it becomes an exact 0.
+        tail = s[:, :, g.lead:].view(KV, items, L - g.lead, G, n)
+        vis = g.visible[None, :, :, None]
+        top = torch.add(tail, g.hide[None, :, :, None]).amax(2).view(KV, items, 1, G * n)
+        if g.lead:
+            top = torch.maximum(top, s[:, :, : g.lead].amax(2, keepdim=True))
+        s.sub_(top)
+        tail.mul_(vis)
+        s.exp_()
+        tail.mul_(vis)
+        # the value GEMM reduces over the keys in fixed slices of KEY_ALIGN keys, by absolute
+        # position: a GEMM over the whole length may change its reduction with the length (it
+        # does on this CPU past a few hundred keys), and then padding would change the bits.
+        # The slices' partial results [KV, items, S, G*n, hd+1] are added as a pairwise tree,
+        # which treats a count that is not a power of two as zero-padded to one, so padding the
+        # keys (more slices of exact zeros) changes no bit.
+        e = s.view(KV, items, S, KEY_ALIGN, G * n).transpose(-1, -2)
+        o = tree_sum(torch.matmul(e, vals.view(KV, items, S, KEY_ALIGN, hd + 1)))          # [KV, items, G*n, hd+1]
         o = (o[..., :hd] / o[..., hd:]).view(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
         if g.keep is not None:
             o = o.index_select(0, g.keep)

@@ -129,11 +129,12 @@ class ModelRunner:
                 keep += range(j * rows, j * rows + n)
                 used = seq.blocks[: self.pool.blocks_for(a + n)]
                 blocks += used + [0] * (nb - len(used))
-            qpos_t = torch.tensor(qpos)
-            masked = torch.arange(nb * bs)[None, None, :] > qpos_t[:, :, None]
+            # keys before the group's earliest query position are visible to all its rows
+            lead = min(p[0] for p in qpos)
+            masked = torch.arange(lead, nb * bs)[None, :, None] > torch.tensor(qpos)[:, None, :]
             groups.append(AttnGroup(
                 items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
-                keep=None if len(keep) == len(idx) else torch.tensor(keep),
+                keep=None if len(keep) == len(idx) else torch.tensor(keep), lead=lead,
                 visible=(~masked).float(), hide=torch.zeros(masked.shape).masked_fill_(masked, float("-inf")),
                 blocks=torch.tensor(blocks)))
             groups[-1].members = [batch[i][0] for i in members] if all(batch[i][1] == 1 for i in members) else None
