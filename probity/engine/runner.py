@@ -15,7 +15,7 @@ from .sampler import top_lists, with_chosen
 from .sequence import Sequence
 
 BLOCK_SIZE = 16
-KEPT_KEYS_BYTES = 256 << 20   # at most this much of one decode group's gathered keys is kept between steps
+KEPT_KEYS_BYTES = 1 << 30     # at most this much of one decode group's gathered keys is kept between steps
 
 
 class EchoCache:
