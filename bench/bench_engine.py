@@ -88,9 +88,7 @@ class Server:
 
 
 def run_server(s: Server, w: Workloads, name: str) -> float:
-    if name == "score":
-        return s.scoring(w.score)
-    if name in ("mc", "fewshot"):
+    if name in SCORING:
         return s.scoring(getattr(w, name))
     if name == "gen1":
         return s.streams(1, 128, w.gen_prompt, True)
