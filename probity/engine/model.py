@@ -158,8 +158,6 @@ class Model:
         self.group = self.n_heads // self.n_kv
         self.eps = float(cfg.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        # query rows per value GEMM, at least: with one row it takes another kernel
-        self.attn_rows = MIN_ROWS
         inner = hf_model.model
         self.embed = inner.embed_tokens.weight.detach().float()
         rot = inner.rotary_emb

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import BlockPool
-from .model import KEY_ALIGN, AttnGroup, Model
+from .model import KEY_ALIGN, MIN_ROWS, AttnGroup, Model
 from ..protocol import MAX_LOGPROBS
 from .sampler import top_lists, with_chosen
 from .sequence import Sequence
@@ -109,7 +109,9 @@ class ModelRunner:
         attention GEMMs instead of one per sequence, and padding wastes at most half of one.
         Grouping changes no bit: every row is computed the same way whatever its companions."""
         bs = self.pool.block_size
-        min_rows = -(-self.model.attn_rows // self.model.group)   # grouped-query heads count as GEMM rows
+        # the value GEMM gets at least MIN_ROWS query rows (one row takes another kernel);
+        # grouped-query heads count as GEMM rows
+        min_rows = -(-MIN_ROWS // self.model.group)
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, (seq, n) in enumerate(batch):
             nb = -(-self.pool.blocks_for(seq.num_computed + n) // self.align) * self.align
