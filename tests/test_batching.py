@@ -52,7 +52,7 @@ def test_tiny_prompt_chunks_change_nothing(tiny_model_dir, alone):
 
 
 def test_pool_far_too_small_preempts_and_recomputes_identically(tiny_model_dir, alone):
-    # 17 blocks of 16 tokens: room for one full context (256) but not for the concurrent load
+    # 71 blocks of 4 tokens: room for one full context (256) but not for the concurrent load
     s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-gib", "0.00028"])
     try:
         long = {p: gen(s, p, max_tokens=120) for p in PROMPTS[:1]}
@@ -63,9 +63,9 @@ def test_pool_far_too_small_preempts_and_recomputes_identically(tiny_model_dir, 
         assert run_concurrently(s) == alone
         stats = s.get("/health").json()["engine"]["stats"]
         assert stats["preemptions"] > 0, stats
-        # int(0.00028 GiB / 16896 B per block) + 1, less the zero block: per token 784 B of K/V and
-        # hidden state, 272 B of echo cache (docs/engine.md)
-        assert stats["kv_blocks_total"] == 17
+        # int(0.00028 GiB / 4224 B per block) + 1, less the zero block: per token 784 B of K/V and
+        # hidden state, 272 B of echo cache, 4 tokens a block (docs/engine.md)
+        assert stats["kv_blocks_total"] == 71
     finally:
         s.stop()
 
@@ -174,7 +174,7 @@ def test_api_reports_the_engines_float32_values_exactly(tiny_server, tiny_model_
     torch.set_num_threads(1)  # the server's engine runs with --threads 1
     try:
         hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-        lp = torch.log_softmax(alone(Harness(hf, 64), ids), -1)
+        lp = torch.log_softmax(alone(Harness(hf, 1024), ids), -1)
     finally:
         torch.set_num_threads(threads)
     want = [lp[i, t].item() for i, t in enumerate(ids[1:])]

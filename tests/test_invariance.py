@@ -33,8 +33,8 @@ class Harness:
     """Runs sequences through the runner's forward with any chunking and any companions, and
     returns each sequence's logits for every position."""
 
-    def __init__(self, hf_model, blocks: int = 512):
-        self.runner = ModelRunner(hf_model, num_blocks=blocks)
+    def __init__(self, hf_model, tokens: int = 8192):
+        self.runner = ModelRunner(hf_model, num_blocks=-(-tokens // BS) + 1)  # + the zero block
         self.vocab_size = self.runner.vocab_size
 
     def run(self, seqs: list[list[int]], plan: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -140,7 +140,7 @@ def test_other_families_match_transformers_and_stay_invariant(family, tiny_model
         for p in hf.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)  # biases and norms away from their 0/1 init
-    h = Harness(hf, 64)
+    h = Harness(hf, 1024)
     ids = [random.Random(1).randrange(300) for _ in range(120)]
     ours = alone(h, ids)
     with torch.no_grad():
@@ -169,7 +169,7 @@ def test_default_model_logits_bit_identical_batched_and_chunked():
 
     folder, _ = converted_dir(default_model_path())
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    h = Harness(hf, 256)
+    h = Harness(hf, 4096)
     rng = random.Random(7)
     for _ in range(3):
         target = [rng.randrange(49152) for _ in range(rng.randint(40, 300))]
@@ -195,7 +195,7 @@ def wide_head_harness(request):
     cfg = AutoConfig.for_model("llama", vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=request.param, max_position_embeddings=4096)
     torch.manual_seed(1)
-    return Harness(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), 256)
+    return Harness(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), 4096)
 
 
 def test_long_sequences_bit_identical_beside_longer_ones_and_decoded(wide_head_harness):

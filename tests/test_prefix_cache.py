@@ -9,9 +9,9 @@ import random
 import pytest
 
 from conftest import TINY_ID, LiveServer
+from probity.engine.runner import BLOCK_SIZE as BLOCK
 from test_completions import PROBE_WORK, add, engine_work, ok
 
-BLOCK = 16
 NO_EOS = {"2": -100}
 
 
@@ -95,27 +95,30 @@ def test_cache_equals_no_cache_under_eviction(small_pool, cold):
 
 def test_cached_tokens_are_reported_truthfully(tiny_server):
     rng = random.Random(5)
-    prompt = [rng.randrange(3, 390) for _ in range(90)]  # 5 full blocks in the first 89 tokens
+    prompt = [rng.randrange(3, 390) for _ in range(90)]
+    full = 89 // BLOCK * BLOCK  # the full blocks in the first 89 tokens (the last one's row is recomputed)
     body = {"model": TINY_ID, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1}
     first = ok(tiny_server, **body)["usage"]["prompt_tokens_details"]["cached_tokens"]
     again = ok(tiny_server, **body)["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert first == 0 and again == 5 * BLOCK
+    assert first == 0 and again == full
     longer = ok(tiny_server, **{**body, "prompt": prompt + [7] * 30})["usage"]
-    assert longer["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK
+    assert longer["prompt_tokens_details"]["cached_tokens"] == full
     assert longer["prompt_tokens"] == 120
 
 
 def test_array_members_share_their_common_context(tiny_server):
     """lm-eval's multiple-choice shape: one context, several continuations, one array."""
     rng = random.Random(6)
-    ctx = [rng.randrange(3, 390) for _ in range(100)]
+    ctx = [rng.randrange(3, 390) for _ in range(102)]  # not a whole number of blocks
     members = [ctx + [rng.randrange(3, 390) for _ in range(6)] for _ in range(4)]
     before = engine_work(tiny_server)
     r = ok(tiny_server, model=TINY_ID, prompt=members, max_tokens=1, echo=True, logprobs=1, temperature=0)
-    # the first member computes the 6 full blocks of the context; the other three reuse them,
-    # in the same forward pass: 106 + 3 x (106 - 96) prompt rows, one step
-    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 6 * BLOCK
-    assert engine_work(tiny_server) == add(add(before, (1, 106 + 3 * 10)), PROBE_WORK)
+    # the first member computes the full blocks of the context; the other three reuse them, in
+    # the same forward pass, and compute the rest: 108 + 3 x (108 - full) prompt rows, one step
+    full = 102 // BLOCK * BLOCK
+    assert 0 < full < 102
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * full
+    assert engine_work(tiny_server) == add(add(before, (1, 108 + 3 * (108 - full))), PROBE_WORK)
     solo = [ok(tiny_server, model=TINY_ID, prompt=m, max_tokens=1, echo=True, logprobs=1,
                temperature=0)["choices"][0]["logprobs"]
             for m in members]

@@ -14,7 +14,7 @@ from ..protocol import MAX_LOGPROBS
 from .sampler import top_lists, with_chosen
 from .sequence import Sequence
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 4
 KEPT_KEYS_BYTES = 1 << 30     # at most this much of one decode group's gathered keys is kept between steps
 
 
