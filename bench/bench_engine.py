@@ -8,7 +8,8 @@ workloads and generated tokens (from `usage`) for the generation ones; EOS is su
 with logit_bias so every stream runs its full length.
 
   score   64 prompts of 128 tokens, echo + logprobs 1 + max_tokens 1, arrays of 8 (lm-eval's shape)
-  mc      40 contexts of ~100 tokens x 4 continuations of ~6 tokens, same request shape
+  mc      40 contexts of 90-110 tokens x 4 continuations of 6 tokens, same request shape
+          (until stop 19 every context was exactly 100 tokens)
   fewshot one 600-token prefix (the few-shot examples) + 16 questions of 24 tokens, same shape
   gen1    one stream, 128 greedy tokens
   gen8    8 concurrent streams x 64 sampled tokens
@@ -50,7 +51,7 @@ class Workloads:
         self.score = [ids(128) for _ in range(64)]
         self.mc = []
         for _ in range(40):
-            ctx = ids(100)
+            ctx = ids(rng.randrange(90, 111))  # real contexts end anywhere inside a KV block
             self.mc += [ctx + ids(6) for _ in range(4)]
         shots = ids(600)
         self.fewshot = [shots + ids(24) for _ in range(16)]
