@@ -83,7 +83,13 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, w.shape, w, eps)
+    """F.rms_norm's ops in its order, so the same bits, with the steps after the first done in
+    place: a fresh buffer is memory the CPU must fetch before it writes it, and right after a
+    GEMM has streamed its weights through the caches that fetch costs more than the
+    arithmetic (this and rotate's in-place steps: a 250-row forward 1.07x faster, measured
+    alternating in one process)."""
+    r = torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps))
+    return torch.mul(x, r).mul_(w)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -91,8 +97,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     `signed_sin` (its first half negated): x2 * -s is exactly -(x2 * s), so the bits are those
     of the textbook form, one pass over the rows fewer."""
     half = x.shape[-1] // 2
-    rot = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * signed_sin
+    rot = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin)
+    return torch.mul(x, cos).add_(rot)
 
 
 def tree_sum(part: torch.Tensor) -> torch.Tensor:
@@ -278,7 +284,7 @@ class Model:
         L = g.nb * self.block_size
         S = L // KEY_ALIGN
         # queries [KV, items, G*n, hd], scaled before the GEMM
-        qs = (q.index_select(0, g.idx) * self.scale).view(items, n, KV, G, hd).permute(2, 0, 3, 1, 4)
+        qs = q.index_select(0, g.idx).mul_(self.scale).view(items, n, KV, G, hd).permute(2, 0, 3, 1, 4)
         qs = qs.reshape(KV, items, G * n, hd)
         keys, vals = self._keys(li, k, v, g)
         # scores with the keys as the GEMM's rows, [KV, items, L, G*n]: each score is one dot
