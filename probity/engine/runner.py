@@ -112,15 +112,15 @@ class ModelRunner:
         # the value GEMM gets at least MIN_ROWS query rows (one row takes another kernel);
         # grouped-query heads count as GEMM rows
         min_rows = -(-MIN_ROWS // self.model.group)
+        # each sequence's key blocks after this step, aligned to whole KEY_ALIGN slices
+        nbs = [-(-self.pool.blocks_for(seq.num_computed + n) // self.align) * self.align for seq, n in batch]
         buckets: dict[tuple[int, int], list[int]] = {}
-        for i, (seq, n) in enumerate(batch):
-            nb = -(-self.pool.blocks_for(seq.num_computed + n) // self.align) * self.align
+        for i, ((seq, n), nb) in enumerate(zip(batch, nbs)):
             rows = max(min_rows, 1 << (n - 1).bit_length())
             buckets.setdefault((rows, 1 << (nb - 1).bit_length() if nb > self.align else nb), []).append(i)
         groups = []
         for (rows, _), members in buckets.items():
-            nb = max(-(-self.pool.blocks_for(batch[i][0].num_computed + batch[i][1]) // self.align) * self.align
-                     for i in members)
+            nb = max(nbs[i] for i in members)
             idx, dest, keep, qpos, blocks = [], [], [], [], []
             for j, i in enumerate(members):
                 seq, n = batch[i]
