@@ -1,8 +1,11 @@
 """The engine child on its own: it never outlives its input or its output."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from conftest import ROOT
 from probity import protocol as P
@@ -69,5 +72,31 @@ def test_cancel_takes_effect_within_a_step(tiny_model_dir):
         tokens_after += f.kind == "TOKEN"
     assert (f.kind, f.payload["code"]) == ("ERROR", "CANCELLED")
     assert tokens_after < 16 * 200 // 4  # stopped long before the work was done
+    p.stdin.close()
+    p.wait(5)
+
+
+def test_a_frame_survives_the_engine_being_stopped_mid_write(tiny_model_dir):
+    """A write to a full pipe that a signal interrupts (a debugger or profiler attaching, a
+    job-control stop) returns having written part of the frame. The engine must write the
+    rest: the server would otherwise read a truncated frame and break the link."""
+    p = start_engine(tiny_model_dir)
+    r = P.SyncReader(p.stdout, "engine")
+    members = [{"ids": [10 + (i * 7 + m) % 200 for i in range(250)]} for m in range(8)]
+    p.stdin.write(P.encode("SUBMIT", 1, {"op": "generate", "members": members, "max_tokens": 1,
+                                         "echo": True, "logprobs": 32}))
+    p.stdin.flush()
+    # nobody reads: the engine fills the pipe (64 KiB) and blocks inside a write of echo frames
+    # (~200 KB a member); stop and continue it there, several times
+    for _ in range(5):
+        time.sleep(1.0)
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        os.kill(p.pid, signal.SIGCONT)
+    kinds = []
+    while (f := r.read()).kind != "DONE":  # a truncated frame raises ProtocolViolation here
+        kinds.append(f.kind)
+        assert f.kind in ("ACCEPT", "ECHO", "TOKEN", "STATS"), f.payload
+    assert kinds.count("ECHO") >= 8
     p.stdin.close()
     p.wait(5)

@@ -14,17 +14,22 @@ from .submit import Refusal, run_op
 
 
 class Writer:
-    """Frames to the server. A failed write means the server is gone: exit at once, silently."""
+    """Frames to the server. A failed write means the server is gone: exit at once, silently.
+
+    A write into a full pipe that a signal interrupts (a stop and continue: job control, a
+    debugger or profiler attaching) returns having written only part of the frame; the rest
+    is written until the whole frame is out, so the server never reads a truncated one."""
 
     def __init__(self, fd: int):
-        self.f = os.fdopen(fd, "wb", buffering=0)
+        self.fd = fd
         self.lock = threading.Lock()
 
     def send(self, kind: str, rid: int, payload: dict) -> None:
-        data = P.encode(kind, rid, payload)
+        data = memoryview(P.encode(kind, rid, payload))
         with self.lock:
             try:
-                self.f.write(data)
+                while data:
+                    data = data[os.write(self.fd, data):]
             except OSError:
                 os._exit(0)
 
