@@ -154,9 +154,12 @@ class EngineClient:
     async def start(self) -> None:
         self.state = "starting" if self.restarts == 0 else "restarting"
         self._ready.clear()
+        # its own session: a terminal's signals (Ctrl-C, Ctrl-Z, Ctrl-\) reach the server's
+        # process group, not the engine; the server alone decides when the engine stops, and
+        # PDEATHSIG and the pipe's EOF still end it with the server
         self.proc = await asyncio.create_subprocess_exec(
             *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            preexec_fn=_pdeathsig, limit=1 << 16)
+            preexec_fn=_pdeathsig, start_new_session=True, limit=1 << 16)
         self._reader = asyncio.create_task(self._read_loop(self.proc))
 
     async def wait_first_ready(self) -> None:
