@@ -18,6 +18,13 @@ BLOCK_SIZE = 4
 KEPT_KEYS_BYTES = 1 << 30     # at most this much of one decode group's gathered keys is kept between steps
 
 
+def row_bucket(n: int) -> int:
+    """The query rows attention gives an item with n new rows: a power of two up to 16, then a
+    multiple of 16 (a 132-row prompt attends as 144 rows, not 256). Padding changes no bit:
+    the score and value GEMMs reduce each row the same way for any row count."""
+    return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16
+
+
 class EchoCache:
     """What echo reported at each pool position, kept beside its K/V: the next token the entry
     is for, its logprob, and the top list (up to MAX_LOGPROBS ids and values) with its width.
@@ -104,10 +111,10 @@ class ModelRunner:
         self.kept_bytes_per_key = cfg.num_hidden_layers * cfg_kv * (2 * head_dim + 1) * 4
 
     def _groups(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> list[AttnGroup]:
-        """Sequences are attended together when their new rows and their key blocks fall in the
-        same power-of-two buckets (decodes: one row each), so a step runs a few batched
-        attention GEMMs instead of one per sequence, and padding wastes at most half of one.
-        Grouping changes no bit: every row is computed the same way whatever its companions."""
+        """Sequences are attended together when their new rows fall in the same `row_bucket`
+        and their key blocks in the same power-of-two bucket (decodes: one row each), so a step
+        runs a few batched attention GEMMs instead of one per sequence. Grouping and padding
+        change no bit: every row is computed the same way whatever its companions."""
         bs = self.pool.block_size
         # the value GEMM gets at least MIN_ROWS query rows (one row takes another kernel);
         # grouped-query heads count as GEMM rows
@@ -116,7 +123,7 @@ class ModelRunner:
         nbs = [-(-self.pool.blocks_for(seq.num_computed + n) // self.align) * self.align for seq, n in batch]
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, ((seq, n), nb) in enumerate(zip(batch, nbs)):
-            rows = max(min_rows, 1 << (n - 1).bit_length())
+            rows = max(min_rows, row_bucket(n))
             buckets.setdefault((rows, 1 << (nb - 1).bit_length() if nb > self.align else nb), []).append(i)
         groups = []
         for (rows, _), members in buckets.items():
