@@ -100,37 +100,27 @@ def test_sigkill_server_leaves_no_engine_behind(tiny_model_dir):
     s.stop()
 
 
-def test_sigterm_lets_in_flight_work_finish_then_stops_the_engine(tiny_model_dir):
+@pytest.mark.parametrize("how", ["sigterm-to-server", "ctrl-c-to-group"])
+def test_shutdown_signal_lets_in_flight_work_finish_then_stops_the_engine(tiny_model_dir, how):
+    """SIGTERM to the server, or Ctrl-C in a terminal, which signals the whole foreground
+    process group. The engine is not in that group: the server alone decides when the engine
+    stops, so the graceful shutdown the server starts is not cut short by an engine killed
+    under a running request."""
     s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
     pid = s.engine_pid()
+    sig = signal.SIGTERM if how == "sigterm-to-server" else signal.SIGINT
     body = {**LONG, "max_tokens": 100, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         it = r.iter_text()
         first = next(it)  # the request is running in the engine now
-        s.proc.send_signal(signal.SIGTERM)
-        text = first + "".join(it)
-    assert text.endswith("data: [DONE]\n\n") and '"completion_tokens":' in text
-    assert s.proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
-    assert wait_for(lambda: not pid_alive(pid), 10)
-    s.stop()
-
-
-def test_ctrl_c_lets_in_flight_work_finish_then_stops_the_engine(tiny_model_dir):
-    """Ctrl-C in a terminal signals the whole foreground process group. The engine is not in
-    it: the server alone decides when the engine stops, so the graceful shutdown the server
-    starts is not cut short by an engine killed under a running request."""
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
-    pid = s.engine_pid()
-    body = {**LONG, "max_tokens": 100, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        it = r.iter_text()
-        first = next(it)  # the request is running in the engine now
-        os.killpg(s.proc.pid, signal.SIGINT)  # the server leads its own group, as a shell's job would
+        if how == "sigterm-to-server":
+            s.proc.send_signal(sig)
+        else:
+            os.killpg(s.proc.pid, sig)  # the server leads its own group, as a shell's job would
         text = first + "".join(it)
     assert text.endswith("data: [DONE]\n\n") and '"completion_tokens":100' in text.replace(" ", "")
-    assert s.proc.wait(20) in (0, -signal.SIGINT)
+    assert s.proc.wait(20) in (0, -sig)  # uvicorn re-raises the signal after a clean shutdown
     assert wait_for(lambda: not pid_alive(pid), 10)
     s.stop()
 
