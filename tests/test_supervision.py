@@ -119,7 +119,10 @@ def test_shutdown_signal_lets_in_flight_work_finish_then_stops_the_engine(tiny_m
         else:
             os.killpg(s.proc.pid, sig)  # the server leads its own group, as a shell's job would
         text = first + "".join(it)
-    assert text.endswith("data: [DONE]\n\n") and '"completion_tokens":100' in text.replace(" ", "")
+    # finished, not cut off: a finish reason (the tiny model may sample EOS early), usage, [DONE]
+    compact = text.replace(" ", "")
+    assert text.endswith("data: [DONE]\n\n") and '"completion_tokens":' in compact
+    assert '"finish_reason":"length"' in compact or '"finish_reason":"stop"' in compact
     assert s.proc.wait(20) in (0, -sig)  # uvicorn re-raises the signal after a clean shutdown
     assert wait_for(lambda: not pid_alive(pid), 10)
     s.stop()
