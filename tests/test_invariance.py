@@ -34,7 +34,8 @@ class Harness:
     returns each sequence's logits for every position."""
 
     def __init__(self, hf_model, tokens: int = 8192):
-        self.runner = ModelRunner(hf_model, num_blocks=-(-tokens // BS) + 1)  # + the zero block
+        # + the zero block; a step of up to 1,024 rows (the longest chunk here is 700)
+        self.runner = ModelRunner(hf_model, num_blocks=-(-tokens // BS) + 1, max_rows=1024)
         self.vocab_size = self.runner.vocab_size
 
     def run(self, seqs: list[list[int]], plan: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -148,6 +149,37 @@ def test_other_families_match_transformers_and_stay_invariant(family, tiny_model
     assert reported_gap(ours, ref, ids) < 1e-4
     chunked = h.run([ids], [[(0, 7)] for _ in range(17)] + [[(0, 1)]])[0]
     assert torch.equal(chunked, ours)
+
+
+@pytest.mark.parametrize("head_dim,group", [(16, 2), (64, 3), (64, 1), (128, 4)])
+def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
+    """The runner pads every item's attention rows to a floor it measures at startup, because
+    narrow GEMM calls may take another kernel (on an AMD EPYC the score GEMM below 12 columns
+    and the value GEMM below 4 rows; on a Sapphire Rapids neither). Here, on other key lengths,
+    item counts and data than the startup probe uses, every row count the runner can give an
+    item from that floor up returns the bits of the widest call, column by column and row by
+    row; and a floor one bucket lower would not hold wherever the measured one is above 1."""
+    from probity.engine.model import attention_min_rows, score_gemm, value_gemm
+    from probity.engine.runner import PROBE_ROWS, row_bucket
+
+    buckets = sorted({row_bucket(n) for n in range(1, PROBE_ROWS + 1)})
+    floor = attention_min_rows(head_dim, group, buckets)
+    gen = torch.Generator().manual_seed(head_dim * 10 + group)
+    widest = buckets[-1] * group
+    for L, items in ((256, 2), (1024, 1), (128, 5)):
+        keys = torch.randn(3, items, L, head_dim, generator=gen)
+        vals = torch.randn(3, items, L, head_dim + 1, generator=gen)
+        qs = torch.randn(3, items, widest, head_dim, generator=gen)
+        e = torch.rand(3, items, L, widest, generator=gen)
+        s_ref, v_ref = score_gemm(keys, qs), value_gemm(e, vals)
+        for r in buckets:
+            c = r * group
+            same = (torch.equal(score_gemm(keys, qs[:, :, :c]), s_ref[..., :c])
+                    and torch.equal(value_gemm(e[..., :c].contiguous(), vals), v_ref[..., :c, :]))
+            if r >= floor:
+                assert same, f"{c} columns differ from the widest call although the floor is {floor} rows"
+            elif r == max(b for b in buckets if b < floor):
+                assert not same or L != 256, f"the floor {floor} is higher than needed: {r} rows agree"
 
 
 def test_unsupported_family_is_refused_at_startup():

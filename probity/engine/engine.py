@@ -30,7 +30,7 @@ class Engine(FrameHandler):
                  threads: int | None = None, step_tokens: int = 512, kv_cache_gib: float = 2.0,
                  prefix_cache: bool = True):
         self.loaded = loaded
-        self.runner = ModelRunner(loaded.model, threads, kv_cache_gib, prefix_cache=prefix_cache)
+        self.runner = ModelRunner(loaded.model, threads, kv_cache_gib, prefix_cache=prefix_cache, max_rows=step_tokens)
         loaded.model = None  # the runner holds its own (prepacked) weights; free transformers' copy
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
         self.scheduler = Scheduler(self.runner.pool, max_running, step_tokens)

@@ -16,9 +16,9 @@ checks it bit for bit:
   GEMM reduces over the keys in fixed slices of KEY_ALIGN keys whose partial results are
   summed as a pairwise tree (a GEMM over the whole length changes its reduction with the
   length). Sequences whose new rows and key lengths fall in the same buckets share one
-  batched GEMM (AttnGroup); an item's query rows are padded by repeating its last row, so
-  every value GEMM holds at least MIN_ROWS rows (grouped-query heads count as rows) and a
-  row's result does not depend on its companions.
+  batched GEMM (AttnGroup); an item's query rows are padded by repeating its last row, up to
+  a floor measured at startup on this CPU's kernels (`attention_min_rows`: narrow calls may
+  reduce differently), so a row's result does not depend on its companions.
 - Norms, rotary embeddings and activations are per-row or elementwise.
 
 Families: Llama, Mistral, Qwen2, Qwen3 (their weights read from the transformers module).
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-MIN_ROWS = 2      # rows per GEMM call; below it a kernel may reduce differently
+MIN_ROWS = 2      # rows per linear call; below it a kernel may reduce differently
 KEY_ALIGN = 64    # attention key length is a multiple of this, and the value GEMM reduces in slices of it
 
 
@@ -114,6 +114,54 @@ def tree_sum(part: torch.Tensor) -> torch.Tensor:
             n = h
         p = h
     return part[:, :, 0]
+
+
+def score_gemm(keys: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Attention scores [KV, items, L, C] from keys [KV, items, L, hd] and queries
+    [KV, items, C, hd], with the keys as the GEMM's rows (the queries read transposed in place)."""
+    return torch.matmul(keys, qs.transpose(-1, -2))
+
+
+def value_gemm(e: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """The value GEMM in slices of KEY_ALIGN keys: e [KV, items, L, C] (softmax numerators,
+    contiguous) and vals [KV, items, L, hd+1] give the slices' partial results
+    [KV, items, L/KEY_ALIGN, C, hd+1], e read transposed in place."""
+    KV, items, L, C = e.shape
+    S = L // KEY_ALIGN
+    return torch.matmul(e.view(KV, items, S, KEY_ALIGN, C).transpose(-1, -2),
+                        vals.view(KV, items, S, KEY_ALIGN, vals.shape[-1]))
+
+
+def attention_min_rows(head_dim: int, group: int, row_counts: list[int], probe_columns: int = 4096) -> int:
+    """The fewest query rows per item that attention may give its two GEMMs on this CPU.
+
+    A GEMM kernel may reduce a column (scores) or a row (values) differently when the call is
+    narrow: measured on a Sapphire Rapids the score GEMM was the same for every count of query
+    columns and the value GEMM from 2 rows; on an AMD EPYC (AVX2) the score GEMM only from 12
+    columns and the value GEMM from 4 rows. So it is measured here, at startup, on the kernels
+    `_attend` calls: for every per-item row count the runner can use (`row_counts`, ascending;
+    grouped-query heads make `group` GEMM columns/rows of each), both GEMMs are run on random
+    data and every result compared bit for bit with the same column/row of the widest call.
+    Returned: the smallest count from which every larger one agrees. Counts whose GEMM width is
+    past `probe_columns` are checked at powers of two and at the widest (a kernel's choice
+    below such widths is what varies; above it the reduction over head_dim does not)."""
+    widest = row_counts[-1]
+    probed = [r for r in row_counts
+              if r * group <= probe_columns or r & (r - 1) == 0 or r == widest]
+    gen = torch.Generator().manual_seed(0)
+    bad = 0
+    for L, items in ((KEY_ALIGN, 1), (3 * KEY_ALIGN, 3)):
+        keys = torch.randn(2, items, L, head_dim, generator=gen)
+        vals = torch.randn(2, items, L, head_dim + 1, generator=gen)
+        qs = torch.randn(2, items, widest * group, head_dim, generator=gen)
+        e = torch.rand(2, items, L, widest * group, generator=gen)
+        s_ref, v_ref = score_gemm(keys, qs), value_gemm(e, vals)
+        for r in probed[:-1]:
+            c = r * group
+            if not (torch.equal(score_gemm(keys, qs[:, :, :c]), s_ref[..., :c])
+                    and torch.equal(value_gemm(e[..., :c].contiguous(), vals), v_ref[..., :c, :])):
+                bad = max(bad, r)
+    return next(r for r in row_counts if r > bad)
 
 
 @dataclass
@@ -282,7 +330,6 @@ class Model:
         H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group
         items, n = g.items, g.rows
         L = g.nb * self.block_size
-        S = L // KEY_ALIGN
         # queries [KV, items, G*n, hd], scaled before the GEMM
         qs = q.index_select(0, g.idx).mul_(self.scale).view(items, n, KV, G, hd).permute(2, 0, 3, 1, 4)
         qs = qs.reshape(KV, items, G * n, hd)
@@ -290,7 +337,7 @@ class Model:
         # scores with the keys as the GEMM's rows, [KV, items, L, G*n]: each score is one dot
         # product over the head dim, and with the keys as rows it is reduced the same way for
         # any count of query columns (the other orientation changes kernels below a few rows)
-        s = torch.matmul(keys, qs.transpose(-1, -2))
+        s = score_gemm(keys, qs)
         # softmax numerators: the maximum over visible keys, then exp(s - max) at visible keys and
         # an exact 0 elsewhere. Keys before `lead` are visible to every row of the group, so only
         # the tail is masked; a max is exact, so splitting it changes no bit. Masked scores are
@@ -312,8 +359,7 @@ class Model:
         # The slices' partial results [KV, items, S, G*n, hd+1] are added as a pairwise tree,
         # which treats a count that is not a power of two as zero-padded to one, so padding the
         # keys (more slices of exact zeros) changes no bit.
-        e = s.view(KV, items, S, KEY_ALIGN, G * n).transpose(-1, -2)
-        o = tree_sum(torch.matmul(e, vals.view(KV, items, S, KEY_ALIGN, hd + 1)))          # [KV, items, G*n, hd+1]
+        o = tree_sum(value_gemm(s, vals))          # [KV, items, G*n, hd+1]
         o = (o[..., :hd] / o[..., hd:]).view(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
         if g.keep is not None:
             o = o.index_select(0, g.keep)

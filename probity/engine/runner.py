@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import BlockPool
-from .model import KEY_ALIGN, MIN_ROWS, AttnGroup, Model
+from .model import KEY_ALIGN, AttnGroup, Model, attention_min_rows
 from ..protocol import MAX_LOGPROBS
 from .sampler import top_lists, with_chosen
 from .sequence import Sequence
 
 BLOCK_SIZE = 4
+PROBE_ROWS = 512              # attention's row floor is measured against calls at least this wide
 KEPT_KEYS_BYTES = 1 << 30     # at most this much of one decode group's gathered keys is kept between steps
 
 
@@ -86,7 +87,8 @@ class SeqResult:
 
 class ModelRunner:
     def __init__(self, hf_model, threads: int | None = None, kv_cache_gib: float = 2.0,
-                 head_rows: int = 128, num_blocks: int | None = None, prefix_cache: bool = True):
+                 head_rows: int = 128, num_blocks: int | None = None, prefix_cache: bool = True,
+                 max_rows: int = 512):
         if threads:
             torch.set_num_threads(threads)
         cfg = hf_model.config
@@ -95,6 +97,14 @@ class ModelRunner:
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_cache)
         self.model = Model(hf_model, num_blocks, BLOCK_SIZE)
         self.echo = EchoCache(num_blocks * BLOCK_SIZE)
+        # an item's attention rows: its new rows' row_bucket, at least `min_rows`, measured on
+        # this CPU's kernels for every bucket a step of up to `max_rows` rows can use. The
+        # buckets measured always reach PROBE_ROWS, so engines with any step budget agree with
+        # each other (each gives every count from its floor the bits of a common wide call;
+        # a budget of 3 rows alone would compare narrow calls only with narrow calls)
+        self.max_rows = max_rows
+        buckets = sorted({row_bucket(n) for n in range(1, max(max_rows, PROBE_ROWS) + 1)})
+        self.min_rows = attention_min_rows(self.model.head_dim, self.model.group, buckets)
         self.vocab_size = self.model.vocab_size
         ctx = int(getattr(cfg, "max_position_embeddings", 2048))
         window = getattr(cfg, "sliding_window", None)
@@ -116,14 +126,14 @@ class ModelRunner:
         runs a few batched attention GEMMs instead of one per sequence. Grouping and padding
         change no bit: every row is computed the same way whatever its companions."""
         bs = self.pool.block_size
-        # the value GEMM gets at least MIN_ROWS query rows (one row takes another kernel);
-        # grouped-query heads count as GEMM rows
-        min_rows = -(-MIN_ROWS // self.model.group)
+        # narrow attention GEMMs may take another kernel: every item gets at least min_rows
+        # rows (grouped-query heads count as GEMM rows), measured at startup
+        assert all(n <= self.max_rows for _, n in batch), "a step's rows exceed the measured buckets"
         # each sequence's key blocks after this step, aligned to whole KEY_ALIGN slices
         nbs = [-(-self.pool.blocks_for(seq.num_computed + n) // self.align) * self.align for seq, n in batch]
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, ((seq, n), nb) in enumerate(zip(batch, nbs)):
-            rows = max(min_rows, row_bucket(n))
+            rows = max(self.min_rows, row_bucket(n))
             buckets.setdefault((rows, 1 << (nb - 1).bit_length() if nb > self.align else nb), []).append(i)
         groups = []
         for (rows, _), members in buckets.items():
