@@ -160,9 +160,9 @@ def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
     item from that floor up returns the bits of the widest call, column by column and row by
     row; and a floor one bucket lower would not hold wherever the measured one is above 1."""
     from probity.engine.model import attention_min_rows, score_gemm, value_gemm
-    from probity.engine.runner import PROBE_ROWS, row_bucket
+    from probity.engine.runner import PROBE_ROWS, row_buckets
 
-    buckets = sorted({row_bucket(n) for n in range(1, PROBE_ROWS + 1)})
+    buckets = row_buckets(PROBE_ROWS)
     floor = attention_min_rows(head_dim, group, buckets)
     gen = torch.Generator().manual_seed(head_dim * 10 + group)
     widest = buckets[-1] * group

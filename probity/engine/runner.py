@@ -26,6 +26,11 @@ def row_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count attention can give an item in a step of up to max_rows rows, ascending."""
+    return sorted({row_bucket(n) for n in range(1, max_rows + 1)})
+
+
 class EchoCache:
     """What echo reported at each pool position, kept beside its K/V: the next token the entry
     is for, its logprob, and the top list (up to MAX_LOGPROBS ids and values) with its width.
@@ -103,8 +108,8 @@ class ModelRunner:
         # each other (each gives every count from its floor the bits of a common wide call;
         # a budget of 3 rows alone would compare narrow calls only with narrow calls)
         self.max_rows = max_rows
-        buckets = sorted({row_bucket(n) for n in range(1, max(max_rows, PROBE_ROWS) + 1)})
-        self.min_rows = attention_min_rows(self.model.head_dim, self.model.group, buckets)
+        self.min_rows = attention_min_rows(self.model.head_dim, self.model.group,
+                                           row_buckets(max(max_rows, PROBE_ROWS)))
         self.vocab_size = self.model.vocab_size
         ctx = int(getattr(cfg, "max_position_embeddings", 2048))
         window = getattr(cfg, "sliding_window", None)
