@@ -214,10 +214,22 @@ def test_waiting_past_the_queue_timeout_is_a_named_429(tiny_model_dir):
 
 
 def test_engine_stats_reach_health_and_metrics(server):
-    server.post("/v1/completions", slow_body(max_tokens=120))
+    # tokens_per_s covers the window between the engine's last two reports, so it is read
+    # while the engine works (a report at least once a second): after the request, the idle
+    # report's window may hold no sampled token at all (CI once saw 0.0 there)
+    rates: list[float] = []
+    with cf.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(server.post, "/v1/completions", slow_body(max_tokens=240), timeout=300)
+        while not done.done():
+            rates.append(server.get("/health").json()["engine"]["stats"].get("tokens_per_s", 0.0))
+            time.sleep(0.05)
+        r = done.result()
+    assert r.status_code == 200 and max(rates) > 0
     stats = server.get("/health").json()["engine"]["stats"]
-    assert stats["steps"] > 0 and stats["tokens_per_s"] > 0
-    assert "probity_engine_tokens_per_second" in server.get("/metrics").text
+    assert stats["steps"] > 0 and stats["generated_tokens"] == r.json()["usage"]["completion_tokens"]
+    metrics = server.get("/metrics").text
+    assert "probity_engine_tokens_per_second" in metrics
+    assert f"probity_engine_generated_tokens_total {float(stats['generated_tokens'])}" in metrics
 
 
 def test_queue_is_fifo_and_reports_the_wait(tiny_model_dir):
