@@ -154,12 +154,12 @@ def test_other_families_match_transformers_and_stay_invariant(family, tiny_model
 @pytest.mark.parametrize("head_dim,group", [(16, 2), (64, 3), (64, 1), (128, 4)])
 def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
     """The runner pads every item's attention rows to a floor it measures at startup, because
-    narrow GEMM calls may take another kernel (on an AMD EPYC the score GEMM below 12 columns
-    and the value GEMM below 4 rows; on a Sapphire Rapids neither). Here, on other key lengths,
-    item counts and data than the startup probe uses, every row count the runner can give an
-    item from that floor up returns the bits of the widest call, column by column and row by
-    row; and a floor one bucket lower would not hold wherever the measured one is above 1."""
-    from probity.engine.model import attention_min_rows, score_gemm, value_gemm
+    narrow GEMM calls may take another kernel (on an AMD EPYC both sliced attention GEMMs give
+    rows 1-3 of a call other bits than from 4 on). Here, on other key lengths, item counts and
+    data than the startup probe uses, every row count the runner can give an item from that
+    floor up returns the bits of the widest call, row by row; and a floor one bucket lower
+    would not hold wherever the measured one is above 1."""
+    from probity.engine.model import KEY_ALIGN, attention_min_rows, score_gemm, value_gemm
     from probity.engine.runner import PROBE_ROWS, row_buckets
 
     buckets = row_buckets(PROBE_ROWS)
@@ -170,14 +170,14 @@ def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
         keys = torch.randn(3, items, L, head_dim, generator=gen)
         vals = torch.randn(3, items, L, head_dim + 1, generator=gen)
         qs = torch.randn(3, items, widest, head_dim, generator=gen)
-        e = torch.rand(3, items, L, widest, generator=gen)
+        e = torch.rand(3, items, L // KEY_ALIGN, widest, KEY_ALIGN, generator=gen)
         s_ref, v_ref = score_gemm(keys, qs), value_gemm(e, vals)
         for r in buckets:
             c = r * group
-            same = (torch.equal(score_gemm(keys, qs[:, :, :c]), s_ref[..., :c])
-                    and torch.equal(value_gemm(e[..., :c].contiguous(), vals), v_ref[..., :c, :]))
+            same = (torch.equal(score_gemm(keys, qs[:, :, :c]), s_ref[..., :c, :])
+                    and torch.equal(value_gemm(e[..., :c, :].contiguous(), vals), v_ref[..., :c, :]))
             if r >= floor:
-                assert same, f"{c} columns differ from the widest call although the floor is {floor} rows"
+                assert same, f"{c} GEMM rows differ from the widest call although the floor is {floor} rows"
             elif r == max(b for b in buckets if b < floor):
                 assert not same or L != 256, f"the floor {floor} is higher than needed: {r} rows agree"
 

@@ -9,13 +9,13 @@ checks it bit for bit:
   row is reduced in the same order whatever the row count (plain `F.linear` switches kernels
   with the row count below 16 rows). Calls get at least MIN_ROWS rows, padded.
 - Attention gathers each sequence's keys from the paged pool (whole blocks, masked past its
-  position), computes the scores with the keys as the GEMM's rows (reduced the same way for
-  any count of query columns), and `exp(s - max) @ [V | 1]`: the softmax denominator comes
-  out of the same GEMM as the values, so it is reduced in the same order as they are; masked
-  positions contribute exact zeros, so the padded length does not change a bit. The value
-  GEMM reduces over the keys in fixed slices of KEY_ALIGN keys whose partial results are
-  summed as a pairwise tree (a GEMM over the whole length changes its reduction with the
-  length). Sequences whose new rows and key lengths fall in the same buckets share one
+  position), cuts them into fixed slices of KEY_ALIGN keys by absolute position, computes each
+  slice's scores as one small GEMM of the same shape whatever the key length, and
+  `exp(s - max) @ [V | 1]` in the same slices: the softmax denominator comes out of the same
+  GEMM as the values, so it is reduced in the same order as they are; masked positions
+  contribute exact zeros, so the padded length does not change a bit. The slices' partial
+  results are summed as a pairwise tree (a GEMM over the whole length changes its reduction
+  with the length). Sequences whose new rows and key lengths fall in the same buckets share one
   batched GEMM (AttnGroup); an item's query rows are padded by repeating its last row, up to
   a floor measured at startup on this CPU's kernels (`attention_min_rows`: narrow calls may
   reduce differently), so a row's result does not depend on its companions.
@@ -117,34 +117,35 @@ def tree_sum(part: torch.Tensor) -> torch.Tensor:
 
 
 def score_gemm(keys: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    """Attention scores [KV, items, L, C] from keys [KV, items, L, hd] and queries
-    [KV, items, C, hd], with the keys as the GEMM's rows (the queries read transposed in place)."""
-    return torch.matmul(keys, qs.transpose(-1, -2))
+    """Attention scores in slices of KEY_ALIGN keys, [KV, items, S, C, KEY_ALIGN], from keys
+    [KV, items, L, hd] (L = S * KEY_ALIGN) and queries [KV, items, C, hd]: one small GEMM per
+    slice, the queries as its rows and the slice's keys (read transposed in place) as its
+    columns. Every call has the same shape whatever the key length, so a score's bits cannot
+    depend on how far the keys are padded."""
+    KV, items, L, hd = keys.shape
+    return torch.matmul(qs[:, :, None], keys.view(KV, items, L // KEY_ALIGN, KEY_ALIGN, hd).transpose(-1, -2))
 
 
 def value_gemm(e: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    """The value GEMM in slices of KEY_ALIGN keys: e [KV, items, L, C] (softmax numerators,
-    contiguous) and vals [KV, items, L, hd+1] give the slices' partial results
-    [KV, items, L/KEY_ALIGN, C, hd+1], e read transposed in place."""
-    KV, items, L, C = e.shape
-    S = L // KEY_ALIGN
-    return torch.matmul(e.view(KV, items, S, KEY_ALIGN, C).transpose(-1, -2),
-                        vals.view(KV, items, S, KEY_ALIGN, vals.shape[-1]))
+    """The value GEMM in the same slices: e [KV, items, S, C, KEY_ALIGN] (softmax numerators)
+    and vals [KV, items, L, hd+1] give the slices' partial results [KV, items, S, C, hd+1]."""
+    KV, items, S = e.shape[:3]
+    return torch.matmul(e, vals.view(KV, items, S, KEY_ALIGN, vals.shape[-1]))
 
 
 def attention_min_rows(head_dim: int, group: int, row_counts: list[int], probe_columns: int = 4096) -> int:
     """The fewest query rows per item that attention may give its two GEMMs on this CPU.
 
-    A GEMM kernel may reduce a column (scores) or a row (values) differently when the call is
-    narrow: measured on a Sapphire Rapids the score GEMM was the same for every count of query
-    columns and the value GEMM from 2 rows; on an AMD EPYC (AVX2) the score GEMM only from 12
-    columns and the value GEMM from 4 rows. So it is measured here, at startup, on the kernels
-    `_attend` calls: for every per-item row count the runner can use (`row_counts`, ascending;
-    grouped-query heads make `group` GEMM columns/rows of each), both GEMMs are run on random
-    data and every result compared bit for bit with the same column/row of the widest call.
-    Returned: the smallest count from which every larger one agrees. Counts whose GEMM width is
-    past `probe_columns` are checked at powers of two and at the widest (a kernel's choice
-    below such widths is what varies; above it the reduction over head_dim does not)."""
+    A GEMM kernel may reduce a row differently when the call has few rows: measured on an
+    AMD EPYC (AVX2), both sliced GEMMs give rows 1-3 of a call other bits than from 4 on,
+    for every head dim, key length and item count tried. So it is measured here, at startup,
+    on the kernels `_attend` calls: for every per-item row count the runner can use
+    (`row_counts`, ascending; grouped-query heads make `group` GEMM rows of each), both GEMMs
+    are run on random data and every row compared bit for bit with the same row of the
+    widest call. Returned: the smallest count from which every larger one agrees. Counts
+    whose GEMM width is past `probe_columns` are checked at powers of two and at the widest
+    (a kernel's choice below such widths is what varies; above it the reduction over
+    head_dim does not)."""
     widest = row_counts[-1]
     probed = [r for r in row_counts
               if r * group <= probe_columns or r & (r - 1) == 0 or r == widest]
@@ -154,12 +155,12 @@ def attention_min_rows(head_dim: int, group: int, row_counts: list[int], probe_c
         keys = torch.randn(2, items, L, head_dim, generator=gen)
         vals = torch.randn(2, items, L, head_dim + 1, generator=gen)
         qs = torch.randn(2, items, widest * group, head_dim, generator=gen)
-        e = torch.rand(2, items, L, widest * group, generator=gen)
+        e = torch.rand(2, items, L // KEY_ALIGN, widest * group, KEY_ALIGN, generator=gen)
         s_ref, v_ref = score_gemm(keys, qs), value_gemm(e, vals)
         for r in probed[:-1]:
             c = r * group
-            if not (torch.equal(score_gemm(keys, qs[:, :, :c]), s_ref[..., :c])
-                    and torch.equal(value_gemm(e[..., :c].contiguous(), vals), v_ref[..., :c, :])):
+            if not (torch.equal(score_gemm(keys, qs[:, :, :c]), s_ref[..., :c, :])
+                    and torch.equal(value_gemm(e[..., :c, :].contiguous(), vals), v_ref[..., :c, :])):
                 bad = max(bad, r)
     return next(r for r in row_counts if r > bad)
 
@@ -189,8 +190,8 @@ class AttnGroup:
     idx: torch.Tensor            # [items*rows] the step rows whose queries are attended
     dest: torch.Tensor           # the step rows that receive the kept results
     keep: torch.Tensor | None    # which of the items*rows results are kept (None: all)
-    lead: int                    # keys [0, lead) are visible to every row of every item
-    visible: torch.Tensor        # [items, nb*block_size - lead, rows] 1.0 where a key past lead is visible, else 0.0
+    lead: int                    # keys [0, lead) are visible to every row of every item (a multiple of KEY_ALIGN)
+    visible: torch.Tensor        # [items, slices past lead, rows, KEY_ALIGN] 1.0 where a key is visible, else 0.0
     hide: torch.Tensor           # the same, 0.0 where a key is visible, else -inf
     blocks: torch.Tensor         # [items*nb] the block table, padded with the zero block
     # decode groups only: "keep" = gather the keys and keep them for the next step; "reuse" =
@@ -334,31 +335,31 @@ class Model:
         qs = q.index_select(0, g.idx).mul_(self.scale).view(items, n, KV, G, hd).permute(2, 0, 3, 1, 4)
         qs = qs.reshape(KV, items, G * n, hd)
         keys, vals = self._keys(li, k, v, g)
-        # scores with the keys as the GEMM's rows, [KV, items, L, G*n]: each score is one dot
-        # product over the head dim, and with the keys as rows it is reduced the same way for
-        # any count of query columns (the other orientation changes kernels below a few rows)
+        # scores [KV, items, S, G*n, KEY_ALIGN], in slices of KEY_ALIGN keys: each score is one
+        # dot product over the head dim, computed by a GEMM of the same shape for every slice
         s = score_gemm(keys, qs)
         # softmax numerators: the maximum over visible keys, then exp(s - max) at visible keys and
-        # an exact 0 elsewhere. Keys before `lead` are visible to every row of the group, so only
-        # the tail is masked; a max is exact, so splitting it changes no bit. Masked scores are
-        # multiplied by 0 before the exp (exp of -inf or of an underflowing value takes a slow
-        # path, ~10x on this CPU) and after it; a masked score is finite (keys are zeros or
-        # values the model computed), so it becomes an exact 0.
-        tail = s[:, :, g.lead:].view(KV, items, L - g.lead, G, n)
+        # an exact 0 elsewhere. Slices before `lead` hold keys visible to every row of the group,
+        # so only the later ones are masked; a max is exact, so splitting it changes no bit.
+        # Masked scores are multiplied by 0 before the exp (exp of -inf or of an underflowing
+        # value takes a slow path, ~10x on this CPU) and after it; a masked score is finite
+        # (keys are zeros or values the model computed), so it becomes an exact 0.
+        s0 = g.lead // KEY_ALIGN
+        tail = s[:, :, s0:].view(KV, items, -1, G, n, KEY_ALIGN)
         vis = g.visible[None, :, :, None]
-        top = torch.add(tail, g.hide[None, :, :, None]).amax(2).view(KV, items, 1, G * n)
-        if g.lead:
-            top = torch.maximum(top, s[:, :, : g.lead].amax(2, keepdim=True))
+        top = torch.add(tail, g.hide[None, :, :, None]).amax((2, 5)).view(KV, items, 1, G * n, 1)
+        if s0:
+            top = torch.maximum(top, s[:, :, :s0].amax((2, 4), keepdim=True))
         s.sub_(top)
         tail.mul_(vis)
         s.exp_()
         tail.mul_(vis)
-        # the value GEMM reduces over the keys in fixed slices of KEY_ALIGN keys, by absolute
-        # position: a GEMM over the whole length may change its reduction with the length (it
-        # does on this CPU past a few hundred keys), and then padding would change the bits.
-        # The slices' partial results [KV, items, S, G*n, hd+1] are added as a pairwise tree,
-        # which treats a count that is not a power of two as zero-padded to one, so padding the
-        # keys (more slices of exact zeros) changes no bit.
+        # the value GEMM reduces over the keys in the same fixed slices, by absolute position: a
+        # GEMM over the whole length may change its reduction with the length (it does on a
+        # Sapphire Rapids past a few hundred keys), and then padding would change the bits. The
+        # slices' partial results [KV, items, S, G*n, hd+1] are added as a pairwise tree, which
+        # treats a count that is not a power of two as zero-padded to one, so padding the keys
+        # (more slices of exact zeros) changes no bit.
         o = tree_sum(value_gemm(s, vals))          # [KV, items, G*n, hd+1]
         o = (o[..., :hd] / o[..., hd:]).view(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
         if g.keep is not None:

@@ -153,9 +153,12 @@ class ModelRunner:
                 keep += range(j * rows, j * rows + n)
                 used = seq.blocks[: self.pool.blocks_for(a + n)]
                 blocks += used + [0] * (nb - len(used))
-            # keys before the group's earliest query position are visible to all its rows
-            lead = min(p[0] for p in qpos)
-            masked = torch.arange(lead, nb * bs)[None, :, None] > torch.tensor(qpos)[:, None, :]
+            # keys before the group's earliest query position are visible to all its rows: the
+            # slices of KEY_ALIGN keys before it are not masked. The mask is laid out as the
+            # scores are, [items, slices, rows, KEY_ALIGN]
+            lead = min(p[0] for p in qpos) // KEY_ALIGN * KEY_ALIGN
+            keys = torch.arange(lead, nb * bs).view(-1, 1, KEY_ALIGN)
+            masked = keys[None] > torch.tensor(qpos)[:, None, :, None]
             groups.append(AttnGroup(
                 items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
                 keep=None if len(keep) == len(idx) else torch.tensor(keep), lead=lead,
