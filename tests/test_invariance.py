@@ -182,6 +182,34 @@ def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
                 assert not same or L != 256, f"the floor {floor} is higher than needed: {r} rows agree"
 
 
+@pytest.mark.parametrize("out_f,in_f,residual", [
+    (3072, 576, False), (960, 576, False), (576, 576, True), (576, 1536, True), (49152, 576, False),  # default model
+    (128, 64, False), (64, 64, True), (64, 128, True), (400, 64, False),                            # tests' tiny model
+])
+def test_linears_agree_from_the_measured_floor(out_f, in_f, residual):
+    """A linear call narrower than the floor measured at startup for its shape is padded,
+    because a CPU's kernel may reduce a lone row differently. Here, on other weights and
+    inputs than the probe's, every row count from 1 to 40 and a few wide ones, called as the
+    model calls it (padded below the floor), returns the bits of the same rows of a 700-row
+    call; and one row fewer than a floor above 1 would not hold."""
+    from probity.engine.model import Linear, linear_min_rows
+
+    gen = torch.Generator().manual_seed(out_f * 7 + in_f)
+    lin = Linear(torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5, torch.randn(out_f, generator=gen),
+                 residual=residual)
+    lin.min_rows = floor = linear_min_rows(lin)
+    x = torch.randn(700, in_f, generator=gen)
+    r = torch.randn(700, out_f, generator=gen) if residual else None
+    wide = lin(x, r)
+    for m in [*range(1, 41), 100, 333]:
+        got = lin(x[:m], None if r is None else r[:m])
+        assert torch.equal(got, wide[:m]), f"{m} rows differ from a wide call although the floor is {floor}"
+    if floor > 1:
+        m = floor - 1
+        assert not torch.equal(lin.gemm(x[:m], None if r is None else r[:m]), wide[:m]), \
+            f"the floor {floor} is higher than needed"
+
+
 def test_unsupported_family_is_refused_at_startup():
     from transformers import AutoConfig, AutoModelForCausalLM
 

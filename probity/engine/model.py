@@ -7,7 +7,8 @@ checks it bit for bit:
 
 - Linear layers run through oneDNN with weights prepacked once (`_linear_pointwise`): every
   row is reduced in the same order whatever the row count (plain `F.linear` switches kernels
-  with the row count below 16 rows). Calls get at least MIN_ROWS rows, padded.
+  with the row count below 16 rows). A call narrower than the floor measured at startup for
+  its shape (`linear_min_rows`: a CPU's kernel may treat a single row apart) is padded.
 - Attention gathers each sequence's keys from the paged pool (whole blocks, masked past its
   position), cuts them into fixed slices of KEY_ALIGN keys by absolute position, computes each
   slice's scores as one small GEMM of the same shape whatever the key length, and
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-MIN_ROWS = 2      # rows per linear call; below it a kernel may reduce differently
+LINEAR_PROBE = (*range(1, 18), 24, 32, 48, 64, 96, 128, 256)   # row counts linear_min_rows compares
+LINEAR_PROBE_WIDE = 512  # ... with the same rows of a call this wide
 KEY_ALIGN = 64    # attention key length is a multiple of this, and the value GEMM reduces in slices of it
 
 
@@ -58,28 +60,51 @@ def check_supported(config) -> None:
 
 
 class Linear:
-    """y = x W^T + b through oneDNN with W prepacked once."""
+    """y = x W^T + b through oneDNN with W prepacked once. `residual` says how the model calls
+    it (with an add fused into the GEMM or not): the floor is measured on that call."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.out_features = weight.shape[0]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: bool = False):
+        self.out_features, self.in_features = weight.shape
         self.w = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
         self.b = None if bias is None else bias.detach().float().contiguous()
+        self.residual = residual
+        self.min_rows = 1   # set by linear_min_rows before the first forward
+
+    def gemm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.w, self.b, "add")
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T + b, plus `residual` when given: that add is done by the GEMM as it writes its
         output (one pass over the rows instead of two). It is the same IEEE add of the same two
         floats, so the bits are those of `residual + self(x)`."""
         n = x.shape[0]
-        if n < MIN_ROWS:
-            def pad(t: torch.Tensor) -> torch.Tensor:
-                return torch.cat([t, t.new_zeros(MIN_ROWS - n, t.shape[1])])
-            x = pad(x)
-            residual = None if residual is None else pad(residual)
-        if residual is None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
-        else:
-            y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.w, self.b, "add")
-        return y[:n] if n < MIN_ROWS else y
+        if n >= self.min_rows:
+            return self.gemm(x, residual)
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(self.min_rows - n, t.shape[1])])
+        return self.gemm(pad(x), None if residual is None else pad(residual))[:n]
+
+
+def linear_min_rows(lin: Linear) -> int:
+    """The fewest rows a call of `lin` may have on this CPU: every row of a call with a count
+    in LINEAR_PROBE is compared bit for bit with the same row of a LINEAR_PROBE_WIDE-row call
+    (random data, the call made as the model makes it, with or without the fused add), and
+    the smallest count from which every larger one agrees is returned. On the AMD EPYC of
+    stop 22 it is 1 for every linear of the default model; the Sapphire Rapids of stops 17-20
+    was not measured one row at a time (calls got 2 rows there, in case). A kernel's choice
+    depends on the shapes, not on the values, so one probe serves every layer of a shape."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(LINEAR_PROBE_WIDE, lin.in_features, generator=gen)
+    r = torch.randn(LINEAR_PROBE_WIDE, lin.out_features, generator=gen) if lin.residual else None
+    wide = lin.gemm(x, r)
+    bad = 0
+    for m in LINEAR_PROBE:
+        if not torch.equal(lin.gemm(x[:m], None if r is None else r[:m]), wide[:m]):
+            bad = m
+    return bad + 1
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -229,14 +254,22 @@ class Model:
                 cat_bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             self.layers.append(Layer(
                 qkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), cat_bias),
-                o=Linear(a.o_proj.weight, a.o_proj.bias),
+                o=Linear(a.o_proj.weight, a.o_proj.bias, residual=True),
                 gate_up=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-                down=Linear(m.down_proj.weight),
+                down=Linear(m.down_proj.weight, residual=True),
                 ln_in=layer.input_layernorm.weight.detach().float(),
                 ln_post=layer.post_attention_layernorm.weight.detach().float(),
                 q_norm=a.q_norm.weight.detach().float() if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight.detach().float() if hasattr(a, "k_norm") else None,
             ))
+        # each linear's row floor, measured once per shape and kind of call
+        floors: dict[tuple, int] = {}
+        for lin in [self.head] + [x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down)]:
+            key = (lin.out_features, lin.in_features, lin.b is not None, lin.residual)
+            if key not in floors:
+                floors[key] = linear_min_rows(lin)
+            lin.min_rows = floors[key]
+        self.linear_floors = floors
         self.block_size = block_size
         self.num_blocks = num_blocks
         L, kv, hd = len(self.layers), self.n_kv, self.head_dim

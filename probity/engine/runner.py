@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import BlockPool
+from .loader import log
 from .model import KEY_ALIGN, AttnGroup, Model, attention_min_rows
 from ..protocol import MAX_LOGPROBS
 from .sampler import top_lists, with_chosen
@@ -110,6 +111,8 @@ class ModelRunner:
         self.max_rows = max_rows
         self.min_rows = attention_min_rows(self.model.head_dim, self.model.group,
                                            row_buckets(max(max_rows, PROBE_ROWS)))
+        floors = sorted(set(self.model.linear_floors.values()))
+        log(f"row floors measured on this CPU: attention {self.min_rows} per sequence, linears {'/'.join(map(str, floors))}")
         self.vocab_size = self.model.vocab_size
         ctx = int(getattr(cfg, "max_position_embeddings", 2048))
         window = getattr(cfg, "sliding_window", None)
