@@ -216,7 +216,7 @@ class AttnGroup:
     dest: torch.Tensor           # the step rows that receive the kept results
     keep: torch.Tensor | None    # which of the items*rows results are kept (None: all)
     lead: int                    # keys [0, lead) are visible to every row of every item (a multiple of KEY_ALIGN)
-    visible: torch.Tensor        # [items, slices past lead, rows, KEY_ALIGN] 1.0 where a key is visible, else 0.0
+    visible: torch.Tensor        # [1, items, slices past lead, 1, rows, KEY_ALIGN] 1.0 where a key is visible, else 0.0
     hide: torch.Tensor           # the same, 0.0 where a key is visible, else -inf
     blocks: torch.Tensor         # [items*nb] the block table, padded with the zero block
     # decode groups only: "keep" = gather the keys and keep them for the next step; "reuse" =
@@ -225,6 +225,7 @@ class AttnGroup:
     kept: str | None = None
     new_at: torch.Tensor | None = None
     members: list | None = None  # decode groups: the sequences, in item order
+    in_order: bool = False       # the step's only group, its kept rows every step row in order
 
 
 class Model:
@@ -321,10 +322,13 @@ class Model:
                 k = rotate(rms_norm(qkv[:, H * hd: (H + KV) * hd].view(T, KV, hd), layer.k_norm, self.eps), cos, sin)
             self.k_pool[li].view(KV, -1, hd).index_copy_(1, slots, k.transpose(0, 1))
             self.v_pool[li].view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, slots, v.transpose(0, 1))
-            attn = torch.empty(T, H, hd)
-            for g in groups:
-                self._attend(li, q, k, v, g, attn)
-            h = layer.o(attn.view(T, H * hd), residual=h)
+            if len(groups) == 1 and groups[0].in_order:
+                attn = self._attend(li, q, k, v, groups[0])
+            else:
+                attn = torch.empty(T, H, hd)
+                for g in groups:
+                    attn.index_copy_(0, g.dest, self._attend(li, q, k, v, g))
+            h = layer.o(attn.reshape(T, H * hd), residual=h)
             x = rms_norm(h, layer.ln_post, self.eps)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
@@ -349,8 +353,10 @@ class Model:
         L = g.nb * self.block_size
         if g.kept == "reuse":
             keys, vals = self.kept_k[li], self.kept_v[li]
-            keys.view(KV, -1, hd).index_copy_(1, g.new_at, k.index_select(0, g.dest).transpose(0, 1))
-            vals.view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, g.new_at, v.index_select(0, g.dest).transpose(0, 1))
+            if not g.in_order:
+                k, v = k.index_select(0, g.dest), v.index_select(0, g.dest)
+            keys.view(KV, -1, hd).index_copy_(1, g.new_at, k.transpose(0, 1))
+            vals.view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, g.new_at, v.transpose(0, 1))
             return keys, vals
         # whole blocks as flat rows: one contiguous copy per block
         keys = self.k_pool[li].flatten(2).index_select(1, g.blocks).view(KV, g.items, L, hd)
@@ -359,8 +365,8 @@ class Model:
             self.kept_k[li], self.kept_v[li] = keys, vals
         return keys, vals
 
-    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttnGroup,
-                out: torch.Tensor) -> None:
+    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        """The group's attention output for the step rows `g.dest`, [len(dest), H, hd]."""
         H, KV, hd, G = self.n_heads, self.n_kv, self.head_dim, self.group
         items, n = g.items, g.rows
         L = g.nb * self.block_size
@@ -379,8 +385,8 @@ class Model:
         # (keys are zeros or values the model computed), so it becomes an exact 0.
         s0 = g.lead // KEY_ALIGN
         tail = s[:, :, s0:].view(KV, items, -1, G, n, KEY_ALIGN)
-        vis = g.visible[None, :, :, None]
-        top = torch.add(tail, g.hide[None, :, :, None]).amax((2, 5)).view(KV, items, 1, G * n, 1)
+        vis = g.visible
+        top = torch.add(tail, g.hide).amax((2, 5)).view(KV, items, 1, G * n, 1)
         if s0:
             top = torch.maximum(top, s[:, :, :s0].amax((2, 4), keepdim=True))
         s.sub_(top)
@@ -394,10 +400,11 @@ class Model:
         # treats a count that is not a power of two as zero-padded to one, so padding the keys
         # (more slices of exact zeros) changes no bit.
         o = tree_sum(value_gemm(s, vals))          # [KV, items, G*n, hd+1]
+        if g.members is not None:  # decodes: each item keeps its first row (the others repeat it)
+            o = o.view(KV, items, G, n, hd + 1)[:, :, :, 0]
+            return (o[..., :hd] / o[..., hd:]).permute(1, 0, 2, 3).reshape(items, H, hd)
         o = (o[..., :hd] / o[..., hd:]).view(KV, items, G, n, hd).permute(1, 3, 0, 2, 4).reshape(items * n, H, hd)
-        if g.keep is not None:
-            o = o.index_select(0, g.keep)
-        out.index_copy_(0, g.dest, o)
+        return o if g.keep is None else o.index_select(0, g.keep)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

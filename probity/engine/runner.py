@@ -158,16 +158,20 @@ class ModelRunner:
                 blocks += used + [0] * (nb - len(used))
             # keys before the group's earliest query position are visible to all its rows: the
             # slices of KEY_ALIGN keys before it are not masked. The mask is laid out as the
-            # scores are, [items, slices, rows, KEY_ALIGN]
+            # scores are, [items, slices, rows, KEY_ALIGN], with the KV-head and query-head
+            # dims of the scores' view added as 1s (built once per step, not per layer)
             lead = min(p[0] for p in qpos) // KEY_ALIGN * KEY_ALIGN
             keys = torch.arange(lead, nb * bs).view(-1, 1, KEY_ALIGN)
             masked = keys[None] > torch.tensor(qpos)[:, None, :, None]
             groups.append(AttnGroup(
                 items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
                 keep=None if len(keep) == len(idx) else torch.tensor(keep), lead=lead,
-                visible=(~masked).float(), hide=torch.zeros(masked.shape).masked_fill_(masked, float("-inf")),
+                visible=(~masked).float()[None, :, :, None],
+                hide=torch.zeros(masked.shape).masked_fill_(masked, float("-inf"))[None, :, :, None],
                 blocks=torch.tensor(blocks)))
             groups[-1].members = [batch[i][0] for i in members] if all(batch[i][1] == 1 for i in members) else None
+        if len(groups) == 1 and groups[0].dest.tolist() == list(range(sum(n for _, n in batch))):
+            groups[0].in_order = True
         self._keep_decode_keys(groups)
         return groups
 
