@@ -209,7 +209,9 @@ class AttnGroup:
     `nb` blocks each. Built once per step (runner.py) and used by every layer.
 
     An item with fewer new rows than `rows` is padded by repeating its last row (same query,
-    same position); the padded results are computed like any other row and dropped."""
+    same position); the padded results are computed like any other row and dropped. Items are
+    in step order, so `dest` ascends: a group whose `dest` holds as many rows as the step holds
+    every step row, in order."""
     items: int
     rows: int
     nb: int
@@ -226,7 +228,6 @@ class AttnGroup:
     kept: str | None = None
     new_at: torch.Tensor | None = None
     members: list | None = None  # decode groups: the sequences, in item order
-    in_order: bool = False       # the step's only group, and it keeps every step row, in order
 
 
 class Model:
@@ -323,7 +324,7 @@ class Model:
                 k = rotate(rms_norm(qkv[:, H * hd: (H + KV) * hd].view(T, KV, hd), layer.k_norm, self.eps), cos, sin)
             self.k_pool[li].view(KV, -1, hd).index_copy_(1, slots, k.transpose(0, 1))
             self.v_pool[li].view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, slots, v.transpose(0, 1))
-            if len(groups) == 1 and groups[0].in_order:
+            if len(groups) == 1:  # then its kept rows are the step's rows, in order
                 attn = self._attend(li, q, k, v, groups[0])
             else:
                 attn = torch.empty(T, H, hd)
@@ -354,7 +355,7 @@ class Model:
         L = g.nb * self.block_size
         if g.kept == "reuse":
             keys, vals = self.kept_k[li], self.kept_v[li]
-            if not g.in_order:
+            if len(g.dest) != len(k):
                 k, v = k.index_select(0, g.dest), v.index_select(0, g.dest)
             keys.view(KV, -1, hd).index_copy_(1, g.new_at, k.transpose(0, 1))
             vals.view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, g.new_at, v.transpose(0, 1))

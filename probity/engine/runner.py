@@ -170,8 +170,6 @@ class ModelRunner:
                 hide=torch.zeros(masked.shape).masked_fill_(masked, float("-inf"))[None, :, :, None],
                 blocks=torch.tensor(blocks)))
             groups[-1].members = [batch[i][0] for i in members] if all(batch[i][1] == 1 for i in members) else None
-        if len(groups) == 1 and groups[0].dest.tolist() == list(range(sum(n for _, n in batch))):
-            groups[0].in_order = True
         self._keep_decode_keys(groups)
         return groups
 
