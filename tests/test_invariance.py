@@ -188,16 +188,19 @@ def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
 ])
 def test_linears_agree_from_the_measured_floor(out_f, in_f, residual):
     """A linear call narrower than the floor measured at startup for its shape is padded,
-    because a CPU's kernel may reduce a lone row differently. Here, on other weights and
-    inputs than the probe's, every row count from 1 to 40 and a few wide ones, called as the
-    model calls it (padded below the floor), returns the bits of the same rows of a 700-row
-    call; and one row fewer than a floor above 1 would not hold."""
-    from probity.engine.model import Linear, linear_min_rows
+    because a CPU's kernel may reduce a lone row differently; calls of up to narrow.MAX_ROWS
+    rows run through narrow.c where the probe found it gives oneDNN's bits. Here, on other
+    weights and inputs than the probe's, every row count from 1 to 40 and a few wide ones,
+    called as the model calls it, returns the bits of the same rows of a 700-row oneDNN call;
+    and one row fewer than a floor above 1 would not hold."""
+    from probity.engine.model import Linear, probe_linear
 
     gen = torch.Generator().manual_seed(out_f * 7 + in_f)
     lin = Linear(torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5, torch.randn(out_f, generator=gen),
                  residual=residual)
-    lin.min_rows = floor = linear_min_rows(lin)
+    floor, kb = probe_linear(lin)
+    lin.min_rows = floor
+    lin.use_narrow(kb)
     x = torch.randn(700, in_f, generator=gen)
     r = torch.randn(700, out_f, generator=gen) if residual else None
     wide = lin(x, r)

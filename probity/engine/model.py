@@ -8,7 +8,10 @@ checks it bit for bit:
 - Linear layers run through oneDNN with weights prepacked once (`_linear_pointwise`): every
   row is reduced in the same order whatever the row count (plain `F.linear` switches kernels
   with the row count below 16 rows). A call narrower than the floor measured at startup for
-  its shape (`linear_min_rows`: a CPU's kernel may treat a single row apart) is padded.
+  its shape (`probe_linear`: a CPU's kernel may treat a single row apart) is padded. Calls of
+  up to narrow.MAX_ROWS rows (decode steps) run through narrow.c instead, which streams the
+  weights once and reduces in oneDNN's own order: `probe_linear` checks at startup, shape by
+  shape, that it gives oneDNN's bits, and only then is it used.
 - Attention gathers each sequence's keys from the paged pool (whole blocks, masked past its
   position), cuts them into fixed slices of KEY_ALIGN keys by absolute position, computes each
   slice's scores as one small GEMM of the same shape whatever the key length, and
@@ -33,9 +36,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import narrow
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-LINEAR_PROBE = (*range(1, 18), 24, 32, 48, 64, 96, 128, 256)   # row counts linear_min_rows compares
+LINEAR_PROBE = (*range(1, 18), 24, 32, 48, 64, 96, 128, 256)   # row counts probe_linear compares
 LINEAR_PROBE_WIDE = 512  # ... with the same rows of a call this wide
 KEY_ALIGN = 64    # attention key length is a multiple of this, and the value GEMM reduces in slices of it
 
@@ -60,15 +65,25 @@ def check_supported(config) -> None:
 
 
 class Linear:
-    """y = x W^T + b through oneDNN with W prepacked once. `residual` says how the model calls
-    it (with an add fused into the GEMM or not): the floor is measured on that call."""
+    """y = x W^T + b through oneDNN with W prepacked once, or for calls of up to
+    narrow.MAX_ROWS rows through narrow.c, which gives the same bits where probe_linear found
+    so. `residual` says how the model calls it (with an add fused into the GEMM or not): the
+    probe measures that call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: bool = False):
         self.out_features, self.in_features = weight.shape
-        self.w = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+        weight = weight.detach().float().contiguous()
+        self.w = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.b = None if bias is None else bias.detach().float().contiguous()
         self.residual = residual
-        self.min_rows = 1   # set by linear_min_rows before the first forward
+        self.min_rows = 1   # set from probe_linear before the first forward
+        self.kb = None      # narrow.c's k-block, set from probe_linear where it equals oneDNN
+        self.packed = narrow.pack(weight) if narrow.load() is not None else None
+
+    def use_narrow(self, kb: int | None) -> None:
+        self.kb = kb
+        if kb is None:
+            self.packed = None   # oneDNN serves every call of this shape; free the copy
 
     def gemm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is None:
@@ -80,6 +95,8 @@ class Linear:
         output (one pass over the rows instead of two). It is the same IEEE add of the same two
         floats, so the bits are those of `residual + self(x)`."""
         n = x.shape[0]
+        if self.kb is not None and n <= narrow.MAX_ROWS:
+            return narrow.linear(x, self.packed, self.out_features, self.kb, self.b, residual)
         if n >= self.min_rows:
             return self.gemm(x, residual)
 
@@ -88,15 +105,23 @@ class Linear:
         return self.gemm(pad(x), None if residual is None else pad(residual))[:n]
 
 
-def linear_min_rows(lin: Linear) -> int:
-    """The fewest rows a call of `lin` may have on this CPU: every row of a call with a count
-    in LINEAR_PROBE is compared bit for bit with the same row of a LINEAR_PROBE_WIDE-row call
-    (random data, the call made as the model makes it, with or without the fused add), and
-    the smallest count from which every larger one agrees is returned. On the AMD EPYC of
-    stop 22 it is 1 for every linear of the default model, and on the Sapphire Rapids of
+def probe_linear(lin: Linear) -> tuple[int, int | None]:
+    """(floor, kb) for calls of `lin` on this CPU, from one wide oneDNN call on random data
+    made as the model makes it (with or without the fused add).
+
+    floor: the fewest rows a oneDNN call may have. Every row of a call with a count in
+    LINEAR_PROBE is compared bit for bit with the same row of the LINEAR_PROBE_WIDE-row call,
+    and the smallest count from which every larger one agrees is returned. On the AMD EPYC of
+    stops 21-23 it is 1 for every linear of the default model, and on the Sapphire Rapids of
     stops 17-20 every count from 1 to 1,000 agreed too; the first look at this kernel, on an
-    earlier CPU, saw a lone row reduced differently, and there it is padded. A kernel's choice
-    depends on the shapes, not on the values, so one probe serves every layer of a shape."""
+    earlier CPU, saw a lone row reduced differently, and there it is padded.
+
+    kb: the k-block with which narrow.c gives the wide call's bits for every count in
+    narrow.PROBE_ROWS, or None (no candidate does, or the kernel is not built here): then
+    oneDNN serves every call of this shape.
+
+    A kernel's choice depends on the shapes, not on the values, so one probe serves every
+    layer of a shape."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(LINEAR_PROBE_WIDE, lin.in_features, generator=gen)
     r = torch.randn(LINEAR_PROBE_WIDE, lin.out_features, generator=gen) if lin.residual else None
@@ -105,7 +130,10 @@ def linear_min_rows(lin: Linear) -> int:
     for m in LINEAR_PROBE:
         if not torch.equal(lin.gemm(x[:m], None if r is None else r[:m]), wide[:m]):
             bad = m
-    return bad + 1
+    kb = None
+    if lin.packed is not None:
+        kb = narrow.block_for(lin.packed, lin.out_features, lin.b, x, r, wide)
+    return bad + 1, kb
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -265,14 +293,15 @@ class Model:
                 q_norm=a.q_norm.weight.detach().float() if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight.detach().float() if hasattr(a, "k_norm") else None,
             ))
-        # each linear's row floor, measured once per shape and kind of call
-        floors: dict[tuple, int] = {}
+        # each linear's oneDNN row floor and narrow.c block, measured once per shape and kind of call
+        probes: dict[tuple, tuple[int, int | None]] = {}
         for lin in [self.head] + [x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down)]:
             key = (lin.out_features, lin.in_features, lin.b is not None, lin.residual)
-            if key not in floors:
-                floors[key] = linear_min_rows(lin)
-            lin.min_rows = floors[key]
-        self.linear_floors = floors
+            if key not in probes:
+                probes[key] = probe_linear(lin)
+            lin.min_rows = probes[key][0]
+            lin.use_narrow(probes[key][1])
+        self.linear_probes = probes
         self.block_size = block_size
         self.num_blocks = num_blocks
         L, kv, hd = len(self.layers), self.n_kv, self.head_dim

@@ -10,6 +10,7 @@ import torch
 
 from .kv_cache import BlockPool
 from .loader import log
+from . import narrow
 from .model import KEY_ALIGN, AttnGroup, Model, attention_min_rows
 from ..protocol import MAX_LOGPROBS
 from .sampler import top_lists, with_chosen
@@ -111,8 +112,13 @@ class ModelRunner:
         self.max_rows = max_rows
         self.min_rows = attention_min_rows(self.model.head_dim, self.model.group,
                                            row_buckets(max(max_rows, PROBE_ROWS)))
-        floors = sorted(set(self.model.linear_floors.values()))
+        probes = self.model.linear_probes.values()
+        floors = sorted({f for f, _ in probes})
         log(f"row floors measured on this CPU: attention {self.min_rows} per sequence, linears {'/'.join(map(str, floors))}")
+        fast = sum(kb is not None for _, kb in probes)
+        log(f"narrow linear kernel (calls of up to {narrow.MAX_ROWS} rows): "
+            + (f"equals oneDNN on {fast} of {len(probes)} linear shapes" if narrow.load() is not None
+               else f"not used: {narrow.why_not()}"))
         self.vocab_size = self.model.vocab_size
         ctx = int(getattr(cfg, "max_position_embeddings", 2048))
         window = getattr(cfg, "sliding_window", None)

@@ -1,0 +1,151 @@
+"""A linear kernel for calls of a few rows (decode steps), bit for bit equal to oneDNN's.
+
+oneDNN's prepacked fp32 GEMM is what makes the engine's rows batch-invariant, but below ~32
+rows it runs far under the machine's memory bound: a decode step must stream every weight
+once for a handful of rows, and oneDNN's narrow calls read them at 15-25 GB/s (plus ~20 us of
+primitive lookup per call). narrow.c computes the same thing for up to MAX_ROWS rows while
+streaming each weight once, and reduces every output in the order oneDNN does on the CPUs
+measured so far: one fused multiply-add chain over k from zero, restarted every `kb` values of
+k, the block sums then added in order, then the bias, then the residual. Equal order, equal
+bits; so a row's numbers do not depend on which kernel ran it.
+
+That order is oneDNN's implementation detail, not its contract, so nothing here trusts it:
+`block_for` finds, per shape and kind of call, the `kb` for which this kernel equals a wide
+oneDNN call on every probed row count, and a shape for which none does keeps oneDNN for every
+call. The kernel is compiled once per source and flags into the user's cache directory (gcc,
+AVX2 and FMA; `make setup` builds it); without a compiler or those instructions the engine
+runs on oneDNN alone, and says so at startup.
+
+The library links libgomp.so.1, so loaded after torch it resolves to torch's own OpenMP
+runtime: one thread pool, sized by torch.set_num_threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 32    # calls of up to this many rows take this kernel (measured faster than oneDNN on every shape up to 32)
+PANEL = 16       # outputs per packed panel: the kernel's [ceil(N/16)][K][16] weight layout
+BLOCK_CANDIDATES = (None, 1024, 512, 256, 2048, 768, 384, 128)   # None: one chain over all of K
+PROBE_ROWS = (1, 2, 3, 5, 6, 7, 12, 13, 31, 32)
+SOURCE = Path(__file__).with_name("narrow.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+
+_lib = None
+_why_not: str | None = None
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return all(f in have for f in flags)
+
+
+def library_path() -> Path:
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "probity" / "kernels" / f"narrow-{tag}.so"
+
+
+def build() -> Path:
+    """Compile narrow.c unless this source and these flags were compiled before (atomic: a
+    parallel build of the same file cannot leave a torn library)."""
+    out = library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run(["gcc", *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load():
+    """The kernel library, or None (then `why_not()` says why)."""
+    global _lib, _why_not
+    if _lib is not None or _why_not is not None:
+        return _lib
+    if not _cpu_has("avx2", "fma"):
+        _why_not = "this CPU lacks AVX2/FMA"
+        return None
+    try:
+        path = build()
+    except FileNotFoundError:
+        _why_not = "no gcc to compile it"
+        return None
+    except subprocess.CalledProcessError as e:
+        _why_not = f"gcc failed: {e.stderr.strip()[-300:]}"
+        return None
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.probity_linear.argtypes = [p, i, i, p, i, i, i, p, p, i, p, i]
+    lib.probity_linear.restype = None
+    _lib = lib
+    return lib
+
+
+def why_not() -> str | None:
+    return _why_not
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K, 16], the extra outputs zero."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, kb: int,
+           bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) (+ residual) for x [M <= MAX_ROWS, K], in oneDNN's order with blocks of kb."""
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features)
+    if residual is not None:
+        residual = residual.contiguous()
+    _lib.probity_linear(x.data_ptr(), k, m, packed.data_ptr(), out_features, k, kb,
+                        None if bias is None else bias.data_ptr(),
+                        None if residual is None else residual.data_ptr(), out_features,
+                        y.data_ptr(), out_features)
+    return y
+
+
+def block_for(packed: torch.Tensor, out_features: int, bias, x: torch.Tensor,
+              residual: torch.Tensor | None, wide: torch.Tensor) -> int | None:
+    """The k-block with which this kernel gives every probed row count the bits of `wide` (the
+    same rows of a wide oneDNN call), or None when no candidate does on this CPU."""
+    k = x.shape[1]
+    for cand in BLOCK_CANDIDATES:
+        kb = k if cand is None else cand
+        if cand is not None and cand >= k:
+            continue   # the same order as one chain, tried first
+        if all(torch.equal(linear(x[:m], packed, out_features, kb, bias,
+                                  None if residual is None else residual[:m]), wide[:m])
+               for m in PROBE_ROWS):
+            return kb
+    return None
+
+
+if __name__ == "__main__":   # `python -m probity.engine.narrow`: build it now (make setup does)
+    lib = load()
+    print(f"narrow linear kernel: {library_path() if lib else 'not used: ' + str(why_not())}", file=sys.stderr)
+    sys.exit(0)
