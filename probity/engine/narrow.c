@@ -8,7 +8,8 @@
  * Why: below ~16 rows oneDNN runs far under the memory bound (a decode step streams every
  * weight once for a handful of rows). This kernel streams the weights once per call, laid
  * out as [ceil(N/16)][K][16] so each k reads 64 contiguous bytes for 16 outputs, and holds
- * up to 6 rows x 16 outputs in registers.
+ * up to 6 rows x 16 outputs in registers. Bits are set by the order of the FMAs of each
+ * output alone, so tiling, threads and prefetching change none.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -18,7 +19,7 @@
 
 static inline __attribute__((always_inline)) void tile(
     const int mr, const float *x, int64_t ldx, const float *w, int64_t K, int64_t kb,
-    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
+    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols, int ahead)
 {
     __m256 c0[MR_MAX], c1[MR_MAX];
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
@@ -28,6 +29,8 @@ static inline __attribute__((always_inline)) void tile(
         for (int r = 0; r < mr; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
         const float *wk = w + k0 * NB;
         for (int64_t k = k0; k < k1; k++, wk += NB) {
+            if (ahead)   /* the next panel's line for this k: into L2 while this panel's tiles run */
+                _mm_prefetch((const char *)(wk + K * NB), _MM_HINT_T1);
             const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
 #pragma GCC unroll 6
             for (int r = 0; r < mr; r++) {
@@ -72,6 +75,10 @@ void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int
                     int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy)
 {
     const int64_t nblocks = (N + NB - 1) / NB;
+    /* With more than one row tile the first streams the panel from memory and the others
+     * read it from cache, leaving memory idle: prefetching the next panel keeps it busy
+     * (8 rows: 29 -> 24 ms for the default model's linears; with one tile it costs ~5%). */
+    const int ahead = M > MR_MAX;
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < nblocks; j++) {
         const float *w = wp + j * K * NB;
@@ -84,12 +91,12 @@ void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int
             const float *rm = res ? res + m0 * ldr + n0 : 0;
             float *ym = y + m0 * ldy + n0;
             switch (left >= MR_MAX ? MR_MAX : left) {
-            case 6: tile(6, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols); break;
-            case 5: tile(5, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols); break;
-            case 4: tile(4, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols); break;
-            case 3: tile(3, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols); break;
-            case 2: tile(2, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols); break;
-            default: tile(1, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols); break;
+            case 6: tile(6, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
+            case 5: tile(5, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
+            case 4: tile(4, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
+            case 3: tile(3, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
+            case 2: tile(2, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
+            default: tile(1, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
             }
         }
     }

@@ -87,13 +87,16 @@ def load():
         return None
     try:
         path = build()
-    except FileNotFoundError:
-        _why_not = "no gcc to compile it"
-        return None
+        lib = ctypes.CDLL(str(path))
     except subprocess.CalledProcessError as e:
         _why_not = f"gcc failed: {e.stderr.strip()[-300:]}"
         return None
-    lib = ctypes.CDLL(str(path))
+    except FileNotFoundError as e:
+        _why_not = "no gcc to compile it" if e.filename == "gcc" else f"cannot build it: {e}"
+        return None
+    except OSError as e:   # an unwritable cache directory, a library that will not load
+        _why_not = f"cannot build or load it: {e}"
+        return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.probity_linear.argtypes = [p, i, i, p, i, i, i, p, p, i, p, i]
     lib.probity_linear.restype = None
