@@ -22,7 +22,8 @@ checks it bit for bit:
   with the length). Sequences whose new rows and key lengths fall in the same buckets share one
   batched GEMM (AttnGroup); an item's query rows are padded by repeating its last row, up to
   a floor measured at startup on this CPU's kernels (`attention_min_rows`: narrow calls may
-  reduce differently), so a row's result does not depend on its companions.
+  reduce differently), so a row's result does not depend on its companions. Narrow attention
+  calls run through narrow.c in MKL's own order (1 on the AMD EPYC of stop 23).
 - Norms, rotary embeddings and activations are per-row or elementwise.
 
 Families: Llama, Mistral, Qwen2, Qwen3 (their weights read from the transformers module).
@@ -177,6 +178,8 @@ def score_gemm(keys: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     columns. Every call has the same shape whatever the key length, so a score's bits cannot
     depend on how far the keys are padded."""
     KV, items, L, hd = keys.shape
+    if qs.shape[2] <= narrow.SCORE_MAX_ROWS and hd in narrow.HEAD_DIMS and narrow.load() is not None:
+        return narrow.score(keys, qs)
     return torch.matmul(qs[:, :, None], keys.view(KV, items, L // KEY_ALIGN, KEY_ALIGN, hd).transpose(-1, -2))
 
 
@@ -184,6 +187,8 @@ def value_gemm(e: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
     """The value GEMM in the same slices: e [KV, items, S, C, KEY_ALIGN] (softmax numerators)
     and vals [KV, items, L, hd+1] give the slices' partial results [KV, items, S, C, hd+1]."""
     KV, items, S = e.shape[:3]
+    if e.shape[3] <= narrow.VALUE_MAX_ROWS and narrow.load() is not None:
+        return narrow.value(e, vals)
     return torch.matmul(e, vals.view(KV, items, S, KEY_ALIGN, vals.shape[-1]))
 
 

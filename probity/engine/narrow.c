@@ -101,3 +101,110 @@ void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int
         }
     }
 }
+
+/* ---- attention's two GEMMs, in slices of 64 keys, for calls of few query rows ----------
+ * The same sums as torch.matmul in model.score_gemm / value_gemm, each output one FMA chain
+ * from zero over its reduction index in order: the order MKL's kernel was measured to use
+ * for those calls from 4 rows on (model.py checks it at startup, like the linears). */
+#define SLICE 64
+
+/* 8 rows of 8 floats (row stride ld) -> out[t * SLICE + r] = in[r * ld + t] */
+static inline void transpose8(const float *in, int64_t ld, float *out)
+{
+    __m256 r0 = _mm256_loadu_ps(in), r1 = _mm256_loadu_ps(in + ld), r2 = _mm256_loadu_ps(in + 2 * ld),
+           r3 = _mm256_loadu_ps(in + 3 * ld), r4 = _mm256_loadu_ps(in + 4 * ld), r5 = _mm256_loadu_ps(in + 5 * ld),
+           r6 = _mm256_loadu_ps(in + 6 * ld), r7 = _mm256_loadu_ps(in + 7 * ld);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+           t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+           t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+           u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+           u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+           u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_store_ps(out + 0 * SLICE, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_store_ps(out + 1 * SLICE, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_store_ps(out + 2 * SLICE, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_store_ps(out + 3 * SLICE, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_store_ps(out + 4 * SLICE, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_store_ps(out + 5 * SLICE, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_store_ps(out + 6 * SLICE, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_store_ps(out + 7 * SLICE, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+#define HD_MAX 256
+
+/* scores out[b][s][c][j] = sum_d q[b][c][d] * keys[b][s*64 + j][d], for a head dim that is a
+ * multiple of 8 up to HD_MAX: q [B][C][hd], keys [B][S*64][hd], out [B][S][C][64] */
+void probity_score(const float *q, const float *keys, float *out, int64_t B, int64_t S, int64_t C, int64_t hd)
+{
+#pragma omp parallel for schedule(static) if (B * S * C >= 96)
+    for (int64_t bs = 0; bs < B * S; bs++) {
+        const int64_t b = bs / S;
+        const float *kb = keys + bs * SLICE * hd;
+        const float *qb = q + b * C * hd;
+        float *ob = out + bs * C * SLICE;
+        float kt[HD_MAX * SLICE] __attribute__((aligned(32)));   /* the slice's keys as columns */
+        for (int64_t j = 0; j < SLICE; j += 8)
+            for (int64_t d = 0; d < hd; d += 8)
+                transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
+        for (int64_t c = 0; c < C; c++) {
+            __m256 a[8];
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
+            const float *qc = qb + c * hd;
+            for (int64_t d = 0; d < hd; d++) {
+                const __m256 x = _mm256_set1_ps(qc[d]);
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_load_ps(kt + d * SLICE + v * 8), a[v]);
+            }
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(ob + c * SLICE + v * 8, a[v]);
+        }
+    }
+}
+
+/* values out[b][s][c][j] = sum_n e[b][s][c][n] * vals[b][s*64 + n][j]:
+ * e [B][S][C][64], vals [B][S*64][W], out [B][S][C][W] */
+void probity_value(const float *e, const float *vals, float *out, int64_t B, int64_t S, int64_t C, int64_t W)
+{
+    const int64_t wv = W / 8 * 8;
+#pragma omp parallel for schedule(static) if (B * S * C >= 96)
+    for (int64_t bs = 0; bs < B * S; bs++) {
+        const float *vb = vals + bs * SLICE * W;
+        for (int64_t c = 0; c < C; c++) {
+            const float *ec = e + (bs * C + c) * SLICE;
+            float *oc = out + (bs * C + c) * W;
+            for (int64_t j0 = 0; j0 < wv || j0 == 0; j0 += 64) {
+                const int nv = wv - j0 >= 64 ? 8 : (int)((wv - j0) / 8);
+                const int tail = j0 == 0;   /* the columns past the last whole vector, in the first pass */
+                __m256 a[8];
+                float at[7] = {0}, t1 = 0.0f;
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
+                for (int64_t n = 0; n < SLICE; n++) {
+                    const float en = ec[n];
+                    const __m256 x = _mm256_set1_ps(en);
+                    const float *vn = vb + n * W + j0;
+                    if (nv == 8) {
+#pragma GCC unroll 8
+                        for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
+                    } else {
+                        for (int v = 0; v < nv; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
+                    }
+                    if (tail) {
+                        if (W - wv == 1)   /* the usual case (V carries one column of ones): kept in a register */
+                            t1 = __builtin_fmaf(en, vn[wv], t1);
+                        else
+                            for (int64_t j = wv; j < W; j++) at[j - wv] = __builtin_fmaf(en, vb[n * W + j], at[j - wv]);
+                    }
+                }
+                for (int v = 0; v < nv; v++) _mm256_storeu_ps(oc + j0 + v * 8, a[v]);
+                if (tail && W - wv == 1)
+                    oc[wv] = t1;
+                else if (tail)
+                    for (int64_t j = wv; j < W; j++) oc[j] = at[j - wv];
+                if (wv == 0) break;
+            }
+        }
+    }
+}

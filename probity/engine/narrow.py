@@ -33,6 +33,10 @@ import torch
 
 MAX_ROWS = 32    # calls of up to this many rows take this kernel (measured faster than oneDNN on every shape up to 32)
 PANEL = 16       # outputs per packed panel: the kernel's [ceil(N/16)][K][16] weight layout
+SLICE = 64       # attention's key slice (model.KEY_ALIGN)
+SCORE_MAX_ROWS = 64   # attention score GEMMs of up to this many rows per item take probity_score (2-3x MKL's speed measured)
+VALUE_MAX_ROWS = 4    # ... value GEMMs of up to this many (past it MKL is faster)
+HEAD_DIMS = range(8, 257, 8)   # the head dims probity_score handles
 BLOCK_CANDIDATES = (None, 1024, 512, 256, 2048, 768, 384, 128)   # None: one chain over all of K
 PROBE_ROWS = (1, 2, 3, 5, 6, 7, 12, 13, 31, 32)
 SOURCE = Path(__file__).with_name("narrow.c")
@@ -100,6 +104,9 @@ def load():
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.probity_linear.argtypes = [p, i, i, p, i, i, i, p, p, i, p, i]
     lib.probity_linear.restype = None
+    for f in (lib.probity_score, lib.probity_value):
+        f.argtypes = [p, p, p, i, i, i, i]
+        f.restype = None
     _lib = lib
     return lib
 
@@ -130,6 +137,28 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, kb: int,
                         None if residual is None else residual.data_ptr(), out_features,
                         y.data_ptr(), out_features)
     return y
+
+
+def score(keys: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """model.score_gemm's result, [KV, items, S, C, 64] from keys [KV, items, S*64, hd] and
+    queries [KV, items, C, hd], each score one FMA chain over the head dim in order."""
+    KV, items, L, hd = keys.shape
+    C = qs.shape[2]
+    out = torch.empty(KV, items, L // SLICE, C, SLICE)
+    keys, qs = keys.contiguous(), qs.contiguous()
+    _lib.probity_score(qs.data_ptr(), keys.data_ptr(), out.data_ptr(), KV * items, L // SLICE, C, hd)
+    return out
+
+
+def value(e: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """model.value_gemm's result, [KV, items, S, C, W] from e [KV, items, S, C, 64] and
+    vals [KV, items, S*64, W], each output one FMA chain over the slice's keys in order."""
+    KV, items, S, C, _ = e.shape
+    W = vals.shape[-1]
+    out = torch.empty(KV, items, S, C, W)
+    e, vals = e.contiguous(), vals.contiguous()
+    _lib.probity_value(e.data_ptr(), vals.data_ptr(), out.data_ptr(), KV * items, S, C, W)
+    return out
 
 
 def block_for(packed: torch.Tensor, out_features: int, bias, x: torch.Tensor,
