@@ -13,6 +13,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 
 #define NB 16
 #define MR_MAX 6
@@ -133,33 +134,74 @@ static inline void transpose8(const float *in, int64_t ld, float *out)
 
 #define HD_MAX 256
 
+/* one slice's scores: ob[c][j] = sum_d qb[c][d] * kb[j][d] for its 64 keys, each one chain
+ * over d in order (kt: scratch for the keys as columns) */
+static inline void score_slice(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
+{
+    for (int64_t j = 0; j < SLICE; j += 8)
+        for (int64_t d = 0; d < hd; d += 8)
+            transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
+    for (int64_t c = 0; c < C; c++) {
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
+        const float *qc = qb + c * hd;
+        for (int64_t d = 0; d < hd; d++) {
+            const __m256 x = _mm256_set1_ps(qc[d]);
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_load_ps(kt + d * SLICE + v * 8), a[v]);
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) _mm256_storeu_ps(ob + c * SLICE + v * 8, a[v]);
+    }
+}
+
 /* scores out[b][s][c][j] = sum_d q[b][c][d] * keys[b][s*64 + j][d], for a head dim that is a
  * multiple of 8 up to HD_MAX: q [B][C][hd], keys [B][S*64][hd], out [B][S][C][64] */
 void probity_score(const float *q, const float *keys, float *out, int64_t B, int64_t S, int64_t C, int64_t hd)
 {
 #pragma omp parallel for schedule(static) if (B * S * C >= 96)
     for (int64_t bs = 0; bs < B * S; bs++) {
-        const int64_t b = bs / S;
-        const float *kb = keys + bs * SLICE * hd;
-        const float *qb = q + b * C * hd;
-        float *ob = out + bs * C * SLICE;
-        float kt[HD_MAX * SLICE] __attribute__((aligned(32)));   /* the slice's keys as columns */
-        for (int64_t j = 0; j < SLICE; j += 8)
-            for (int64_t d = 0; d < hd; d += 8)
-                transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
-        for (int64_t c = 0; c < C; c++) {
-            __m256 a[8];
+        float kt[HD_MAX * SLICE] __attribute__((aligned(32)));
+        score_slice(q + bs / S * C * hd, C, keys + bs * SLICE * hd, hd, out + bs * C * SLICE, kt);
+    }
+}
+
+/* one row of a slice's values: oc[j] = sum_n ec[n] * vb[n][j] over its 64 keys, each one
+ * chain over n in order */
+static inline void value_row(const float *ec, const float *vb, float *oc, int64_t W)
+{
+    const int64_t wv = W / 8 * 8;
+    for (int64_t j0 = 0; j0 < wv || j0 == 0; j0 += 64) {
+        const int nv = wv - j0 >= 64 ? 8 : (int)((wv - j0) / 8);
+        const int tail = j0 == 0;   /* the columns past the last whole vector, in the first pass */
+        __m256 a[8];
+        float at[7] = {0}, t1 = 0.0f;
 #pragma GCC unroll 8
-            for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
-            const float *qc = qb + c * hd;
-            for (int64_t d = 0; d < hd; d++) {
-                const __m256 x = _mm256_set1_ps(qc[d]);
+        for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
+        for (int64_t n = 0; n < SLICE; n++) {
+            const float en = ec[n];
+            const __m256 x = _mm256_set1_ps(en);
+            const float *vn = vb + n * W + j0;
+            if (nv == 8) {
 #pragma GCC unroll 8
-                for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_load_ps(kt + d * SLICE + v * 8), a[v]);
+                for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
+            } else {
+                for (int v = 0; v < nv; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
             }
-#pragma GCC unroll 8
-            for (int v = 0; v < 8; v++) _mm256_storeu_ps(ob + c * SLICE + v * 8, a[v]);
+            if (tail) {
+                if (W - wv == 1)   /* the usual case (V carries one column of ones): kept in a register */
+                    t1 = __builtin_fmaf(en, vb[n * W + wv], t1);
+                else
+                    for (int64_t j = wv; j < W; j++) at[j - wv] = __builtin_fmaf(en, vb[n * W + j], at[j - wv]);
+            }
         }
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(oc + j0 + v * 8, a[v]);
+        if (tail && W - wv == 1)
+            oc[wv] = t1;
+        else if (tail)
+            for (int64_t j = wv; j < W; j++) oc[j] = at[j - wv];
+        if (wv == 0) break;
     }
 }
 
@@ -167,44 +209,95 @@ void probity_score(const float *q, const float *keys, float *out, int64_t B, int
  * e [B][S][C][64], vals [B][S*64][W], out [B][S][C][W] */
 void probity_value(const float *e, const float *vals, float *out, int64_t B, int64_t S, int64_t C, int64_t W)
 {
-    const int64_t wv = W / 8 * 8;
 #pragma omp parallel for schedule(static) if (B * S * C >= 96)
-    for (int64_t bs = 0; bs < B * S; bs++) {
-        const float *vb = vals + bs * SLICE * W;
-        for (int64_t c = 0; c < C; c++) {
-            const float *ec = e + (bs * C + c) * SLICE;
-            float *oc = out + (bs * C + c) * W;
-            for (int64_t j0 = 0; j0 < wv || j0 == 0; j0 += 64) {
-                const int nv = wv - j0 >= 64 ? 8 : (int)((wv - j0) / 8);
-                const int tail = j0 == 0;   /* the columns past the last whole vector, in the first pass */
-                __m256 a[8];
-                float at[7] = {0}, t1 = 0.0f;
-#pragma GCC unroll 8
-                for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
-                for (int64_t n = 0; n < SLICE; n++) {
-                    const float en = ec[n];
-                    const __m256 x = _mm256_set1_ps(en);
-                    const float *vn = vb + n * W + j0;
-                    if (nv == 8) {
-#pragma GCC unroll 8
-                        for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
-                    } else {
-                        for (int v = 0; v < nv; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
-                    }
-                    if (tail) {
-                        if (W - wv == 1)   /* the usual case (V carries one column of ones): kept in a register */
-                            t1 = __builtin_fmaf(en, vn[wv], t1);
-                        else
-                            for (int64_t j = wv; j < W; j++) at[j - wv] = __builtin_fmaf(en, vb[n * W + j], at[j - wv]);
-                    }
+    for (int64_t bs = 0; bs < B * S; bs++)
+        for (int64_t c = 0; c < C; c++)
+            value_row(e + (bs * C + c) * SLICE, vals + bs * SLICE * W, out + (bs * C + c) * W, W);
+}
+
+/* ---- a decode group's attention in two calls, torch's exp between them ------------------
+ * The same operations in the same order as model._attend's general path for a group of
+ * sequences with one query row each (so the same bits; the invariance tests compare them with
+ * prefills): scaled queries, sliced scores, the maximum over visible keys, s - max clamped
+ * at `floor`, masked keys past `lead` times 0; [exp]; masked keys times 0 again, the sliced
+ * value chains, their pairwise tree over the slices, and the division by the ones column. */
+
+/* q [T][KV*G][hd] (item j's row: row[j]), keys [KV][items][L][hd], pos[j]: item j sees keys
+ * 0..pos[j]; out [KV][items][S][G][64] */
+void probity_decode_scores(const float *q, const int64_t *row, const float *keys, const int64_t *pos,
+                           float *out, int64_t KV, int64_t items, int64_t G, int64_t L, int64_t hd,
+                           float scale, int64_t lead, float floor)
+{
+    const int64_t S = L / SLICE;
+#pragma omp parallel for schedule(static) if (KV * items >= 2)
+    for (int64_t hj = 0; hj < KV * items; hj++) {
+        const int64_t h = hj / items, j = hj % items;
+        float kt[HD_MAX * SLICE] __attribute__((aligned(32)));
+        float qs[16 * HD_MAX];
+        const float *qr = q + (row[j] * KV * G + h * G) * hd;
+        for (int64_t i = 0; i < G * hd; i++) qs[i] = qr[i] * scale;
+        float *o = out + hj * S * G * SLICE;
+        for (int64_t s = 0; s < S; s++)
+            score_slice(qs, G, keys + (hj * L + s * SLICE) * hd, hd, o + s * G * SLICE, kt);
+        const int64_t p = pos[j];
+        for (int64_t g = 0; g < G; g++) {
+            float top = -INFINITY;
+            for (int64_t s = 0; s < S; s++)
+                for (int64_t k = 0; k < SLICE && s * SLICE + k <= p; k++) {
+                    const float v = o[(s * G + g) * SLICE + k];
+                    top = v > top ? v : top;
                 }
-                for (int v = 0; v < nv; v++) _mm256_storeu_ps(oc + j0 + v * 8, a[v]);
-                if (tail && W - wv == 1)
-                    oc[wv] = t1;
-                else if (tail)
-                    for (int64_t j = wv; j < W; j++) oc[j] = at[j - wv];
-                if (wv == 0) break;
+            for (int64_t s = 0; s < S; s++)
+                for (int64_t k = 0; k < SLICE; k++) {
+                    const int64_t i = s * SLICE + k;
+                    float v = o[(s * G + g) * SLICE + k] - top;
+                    v = v < floor ? floor : v;
+                    if (i >= lead) v = v * (i <= p ? 1.0f : 0.0f);
+                    o[(s * G + g) * SLICE + k] = v;
+                }
+        }
+    }
+}
+
+/* e [KV][items][S][G][64] (after exp), vals [KV][items][L][hd+1], part: scratch
+ * [KV][items][S][G][hd+1]; out [items][KV*G][hd] */
+void probity_decode_values(float *e, const float *vals, const int64_t *pos, float *part, float *out,
+                           int64_t KV, int64_t items, int64_t G, int64_t L, int64_t hd, int64_t lead)
+{
+    const int64_t S = L / SLICE, W = hd + 1;
+#pragma omp parallel for schedule(static) if (KV * items >= 2)
+    for (int64_t hj = 0; hj < KV * items; hj++) {
+        const int64_t h = hj / items, j = hj % items;
+        const int64_t p = pos[j];
+        float *eh = e + hj * S * G * SLICE;
+        float *ph = part + hj * S * G * W;
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t g = 0; g < G; g++) {
+                float *ec = eh + (s * G + g) * SLICE;
+                for (int64_t k = 0; k < SLICE; k++) {
+                    const int64_t i = s * SLICE + k;
+                    if (i >= lead) ec[k] = ec[k] * (i <= p ? 1.0f : 0.0f);
+                }
+                value_row(ec, vals + (hj * L + s * SLICE) * W, ph + (s * G + g) * W, W);
             }
+        /* model.tree_sum: halves folded onto the first, a count that is not a power of two
+         * treated as zero-padded to one */
+        int64_t n = S, pw = 1;
+        while (pw < n) pw <<= 1;
+        while (pw > 1) {
+            const int64_t half = pw / 2;
+            if (n > half) {
+                for (int64_t i = 0; i < n - half; i++)
+                    for (int64_t x = 0; x < G * W; x++)
+                        ph[i * G * W + x] = ph[i * G * W + x] + ph[(half + i) * G * W + x];
+                n = half;
+            }
+            pw = half;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const float *o = ph + g * W;
+            float *dst = out + (j * KV * G + h * G + g) * hd;
+            for (int64_t d = 0; d < hd; d++) dst[d] = o[d] / o[hd];
         }
     }
 }

@@ -107,6 +107,10 @@ def load():
     for f in (lib.probity_score, lib.probity_value):
         f.argtypes = [p, p, p, i, i, i, i]
         f.restype = None
+    lib.probity_decode_scores.argtypes = [p, p, p, p, p, i, i, i, i, i, ctypes.c_float, i, ctypes.c_float]
+    lib.probity_decode_scores.restype = None
+    lib.probity_decode_values.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
+    lib.probity_decode_values.restype = None
     _lib = lib
     return lib
 
@@ -158,6 +162,25 @@ def value(e: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
     out = torch.empty(KV, items, S, C, W)
     e, vals = e.contiguous(), vals.contiguous()
     _lib.probity_value(e.data_ptr(), vals.data_ptr(), out.data_ptr(), KV * items, S, C, W)
+    return out
+
+
+def decode_attention(q: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                     pos: torch.Tensor, group: int, scale: float, lead: int, floor: float) -> torch.Tensor:
+    """model._attend's result for a decode group (one query row per item), [items, H, hd]: the
+    same operations in the same order in two calls, with torch's exp between them (its
+    vectorized exp is what the general path uses; C would need its exact polynomial)."""
+    KV, items, L, hd = keys.shape
+    S = L // SLICE
+    q, keys, vals = q.contiguous(), keys.contiguous(), vals.contiguous()
+    e = torch.empty(KV, items, S, group, SLICE)
+    _lib.probity_decode_scores(q.data_ptr(), rows.data_ptr(), keys.data_ptr(), pos.data_ptr(), e.data_ptr(),
+                               KV, items, group, L, hd, scale, lead, floor)
+    e.exp_()
+    part = torch.empty(KV, items, S, group, hd + 1)
+    out = torch.empty(items, KV * group, hd)
+    _lib.probity_decode_values(e.data_ptr(), vals.data_ptr(), pos.data_ptr(), part.data_ptr(), out.data_ptr(),
+                               KV, items, group, L, hd, lead)
     return out
 
 

@@ -176,6 +176,8 @@ class ModelRunner:
                 hide=torch.zeros(masked.shape).masked_fill_(masked, float("-inf"))[None, :, :, None],
                 blocks=torch.tensor(blocks)))
             groups[-1].members = [batch[i][0] for i in members] if all(batch[i][1] == 1 for i in members) else None
+            if groups[-1].members is not None:
+                groups[-1].pos = torch.tensor([p[0] for p in qpos])
         self._keep_decode_keys(groups)
         return groups
 
