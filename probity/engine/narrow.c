@@ -301,3 +301,60 @@ void probity_decode_values(float *e, const float *vals, const int64_t *pos, floa
         }
     }
 }
+
+/* ---- RMS norm: y = (x * (1 / sqrt(mean(x^2) + eps))) * w, row by row -----------------------
+ * Each row's sum of squares in one fixed order, whatever the row count: element i goes to lane
+ * i % 8 of accumulator (i / 8) % 4 (FMA chains), the four accumulators added as (0+1)+(2+3),
+ * the eight lanes as ((0+4)+(2+6))+((1+5)+(3+7)), then the elements past the last 32 in order.
+ * x, y [T][D] contiguous, w [D]. */
+void probity_rms_norm(const float *x, const float *w, float *y, int64_t T, int64_t D, float eps)
+{
+    const int64_t D32 = D / 32 * 32;
+#pragma omp parallel for schedule(static) if (T >= 32)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * D;
+        float *yr = y + t * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D32; i += 32) {
+            const __m256 v0 = _mm256_loadu_ps(xr + i), v1 = _mm256_loadu_ps(xr + i + 8);
+            const __m256 v2 = _mm256_loadu_ps(xr + i + 16), v3 = _mm256_loadu_ps(xr + i + 24);
+            a0 = _mm256_fmadd_ps(v0, v0, a0);
+            a1 = _mm256_fmadd_ps(v1, v1, a1);
+            a2 = _mm256_fmadd_ps(v2, v2, a2);
+            a3 = _mm256_fmadd_ps(v3, v3, a3);
+        }
+        const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));   /* lanes (0+4) (1+5) (2+6) (3+7) */
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));                                   /* (0+4)+(2+6), (1+5)+(3+7) */
+        float sum = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+        for (int64_t i = D32; i < D; i++) sum = __builtin_fmaf(xr[i], xr[i], sum);
+        const float r = 1.0f / sqrtf(sum / (float)D + eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), rv), _mm256_loadu_ps(w + i)));
+        for (; i < D; i++) yr[i] = (xr[i] * r) * w[i];
+    }
+}
+
+/* ---- rotary embedding: out = x * cos + rotate_half(x) * signed_sin, as model.rotate does it
+ * (two rounded products, one rounded sum: the same bits). x: T rows of `heads` x hd floats
+ * (row stride ldx, heads contiguous), cos/sin [T][hd], out [T][heads][hd] contiguous. */
+void probity_rotate(const float *x, int64_t ldx, const float *cos_, const float *sin_, float *out,
+                    int64_t T, int64_t heads, int64_t hd)
+{
+    const int64_t half = hd / 2;
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_ + t * hd, *s = sin_ + t * hd;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xr = x + t * ldx + h * hd;
+            float *o = out + (t * heads + h) * hd;
+            for (int64_t i = 0; i < hd; i++) {
+                const float a = xr[i] * c[i];
+                const float b = xr[i < half ? i + half : i - half] * s[i];
+                o[i] = a + b;
+            }
+        }
+    }
+}

@@ -111,6 +111,10 @@ def load():
     lib.probity_decode_scores.restype = None
     lib.probity_decode_values.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
     lib.probity_decode_values.restype = None
+    lib.probity_rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float]
+    lib.probity_rms_norm.restype = None
+    lib.probity_rotate.argtypes = [p, i, p, p, p, i, i, i]
+    lib.probity_rotate.restype = None
     _lib = lib
     return lib
 
@@ -181,6 +185,24 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, va
     out = torch.empty(items, KV * group, hd)
     _lib.probity_decode_values(e.data_ptr(), vals.data_ptr(), pos.data_ptr(), part.data_ptr(), out.data_ptr(),
                                KV, items, group, L, hd, lead)
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] normalized row by row, each row's sum of squares in one fixed order (narrow.c)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _lib.probity_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    return y
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """model.rotate's result (the same bits) for x [T, heads, hd] whose heads are contiguous
+    within a row, cos / signed_sin [T, 1, hd]."""
+    T, heads, hd = x.shape
+    out = torch.empty(T, heads, hd)
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+    _lib.probity_rotate(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), T, heads, hd)
     return out
 
 
