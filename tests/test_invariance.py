@@ -124,6 +124,29 @@ def test_matches_transformers_forward_within_budget(tiny_harness, tiny_hf):
     assert reported_gap(ours, ref, ids) < 1e-4
 
 
+def test_without_the_narrow_kernels_numbers_stay_invariant_and_faithful(tiny_hf, monkeypatch):
+    """Where narrow.c cannot be built or loaded (no gcc, no AVX2/FMA), every op falls back to
+    oneDNN, MKL or torch, with the floors the probes measure for those: a sequence's logits
+    are still the same bits one token at a time, in one prefill and chunked beside others,
+    and still within the budget of transformers' forward."""
+    from probity.engine import narrow
+
+    monkeypatch.setattr(narrow, "_lib", None)
+    monkeypatch.setattr(narrow, "_why_not", "switched off by the test")
+    h = Harness(tiny_hf[0])
+    model = h.runner.model
+    assert model.head.packed is None and model.head.kb is None and not model.fused_decode
+    ids = list(range(3, 200))
+    want = alone(h, ids)
+    assert torch.equal(h.run([ids], [[(0, 1)] for _ in ids])[0], want)
+    rng = random.Random(3)
+    seqs = [ids] + [[rng.randrange(h.vocab_size) for _ in range(rng.randint(1, 120))] for _ in range(3)]
+    assert torch.equal(h.run(seqs, plan_random([len(s) for s in seqs], rng, 17))[0], want)
+    with torch.no_grad():
+        ref = tiny_hf[0](torch.tensor([ids])).logits[0]
+    assert reported_gap(want, ref, ids) < 1e-4
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_other_families_match_transformers_and_stay_invariant(family, tiny_model_dir):
     """Tiny random-weight models of other supported families (QKV bias, per-head q/k norms,
