@@ -1,4 +1,7 @@
-/* probity's small-row linear: y = x W^T (+ b) (+ r) for a few rows, with every output
+/* probity's own kernels (loaded by probity/engine/narrow.py): the small-row linear below, then
+ * attention's narrow GEMMs, a decode group's attention, the RMS norm and the rotary embedding.
+ *
+ * The small-row linear: y = x W^T (+ b) (+ r) for a few rows, with every output
  * element reduced in the order oneDNN's fp32 GEMM reduces it on the CPUs measured so far:
  * one fused multiply-add chain over k, starting from zero, restarted every `kb` values of k
  * (the block partial sums are then added in order), then the bias, then the residual.

@@ -1,4 +1,8 @@
-"""A linear kernel for calls of a few rows (decode steps), bit for bit equal to oneDNN's.
+"""probity's own CPU kernels (narrow.c) for the calls the libraries are slow at: linears and
+attention GEMMs of a few rows (decode steps), each bit for bit equal to oneDNN's or MKL's, a
+decode group's whole attention in two calls, and the per-row norms and rotary embedding.
+
+The linears, in detail:
 
 oneDNN's prepacked fp32 GEMM is what makes the engine's rows batch-invariant, but below ~32
 rows it runs far under the machine's memory bound: a decode step must stream every weight
@@ -33,7 +37,7 @@ import torch
 
 MAX_ROWS = 32    # calls of up to this many rows take this kernel (measured faster than oneDNN on every shape up to 32)
 PANEL = 16       # outputs per packed panel: the kernel's [ceil(N/16)][K][16] weight layout
-SLICE = 64       # attention's key slice (model.KEY_ALIGN)
+SLICE = 64       # attention's key slice: model.KEY_ALIGN, and narrow.c's SLICE (model imports this module)
 SCORE_MAX_ROWS = 64   # attention score GEMMs of up to this many rows per item take probity_score (2-3x MKL's speed measured)
 VALUE_MAX_ROWS = 4    # ... value GEMMs of up to this many (past it MKL is faster)
 HEAD_DIMS = range(8, 257, 8)   # the head dims probity_score handles
