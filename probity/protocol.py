@@ -23,6 +23,10 @@ class ProtocolViolation(Exception):
     """The peer broke the framing, bounds, schema or order rules. Never recoverable on the same pipe."""
 
 
+class FrameTooLarge(ValueError):
+    """A payload that encodes beyond its kind's bound: the sender refuses it before writing."""
+
+
 # ---------------------------------------------------------------- schemas
 # A schema is a callable(value, path) that raises ProtocolViolation. The helpers below build
 # them; every object schema rejects unknown keys.
@@ -140,6 +144,12 @@ MAX_LOGPROBS = 32
 MAX_MEMBERS = 128
 MAX_CHOICES = 16
 MAX_TOP = MAX_LOGPROBS + 1
+MAX_STOPS = 32            # stop strings in one request
+MAX_STOP_CHARS = 4096     # characters in one stop string (DONE names the matched one)
+MAX_RESULT_IDS = 1 << 21  # ids in one tokenize result
+MAX_ECHO_POSITIONS = 4096
+ECHO_CHUNK = 256          # positions an engine sends per ECHO frame (fewer when they are large)
+MAX_TOKEN_ENTRIES = 256
 ID = Int(0, 2**64 - 1)
 TOKEN_ID = Int(0, 2**31 - 1)
 LOGPROB = Null(Num())
@@ -151,6 +161,7 @@ ERROR_CODES = (
     "PROMPT_BUDGET",      # the members' prompt tokens together exceed max_prompt_tokens
     "CANCELLED",          # answered a CANCEL
     "OVERLOADED",         # the engine has no room for it
+    "TOO_LARGE",          # its answer would not fit the frame bounds (a tokenize of > MAX_RESULT_IDS ids)
     "INTERNAL",           # the engine failed while running it
     "PROTOCOL",           # id 0 only: the engine could not read the server's frames; it exits
 )
@@ -168,7 +179,7 @@ _finished = Obj({
     "member": Int(0, MAX_MEMBERS - 1),
     "choice": Int(0, MAX_CHOICES - 1),
     "finish_reason": Enum("stop", "length", "cancelled"),
-    "stop": Null(Str(4 * KiB)),
+    "stop": Null(Str(MAX_STOP_CHARS)),
     "completion_tokens": Int(),
 })
 
@@ -195,7 +206,7 @@ _kind("SUBMIT", "server", 16 * MiB, Obj({"op": Enum("generate", "tokenize", "det
                                             "members", "max_tokens", "temperature", "top_p", "top_k",
                                             "seed", "n", "stop", "presence_penalty", "frequency_penalty",
                                             "logit_bias", "logprobs", "echo", "add_special_tokens",
-                                            "ids", "max_prompt_tokens")}))
+                                            "ids", "max_prompt_tokens", "count_only")}))
 _kind("CANCEL", "server", 64, Obj({}))
 _kind("SHUTDOWN", "server", 64, Obj({}))
 # engine -> server
@@ -222,18 +233,18 @@ _kind("ACCEPT", "engine", 64 * KiB, Obj({
     "members": List(Obj({"prompt_tokens": Int(), "cached_tokens": Int()}), MAX_MEMBERS, 1),
 }))
 _kind("ECHO", "engine", 4 * MiB, Obj({
-    "member": Int(0, MAX_MEMBERS - 1), "start": Int(), "positions": List(_position, 4096, 1),
+    "member": Int(0, MAX_MEMBERS - 1), "start": Int(), "positions": List(_position, MAX_ECHO_POSITIONS, 1),
 }))
 _kind("TOKEN", "engine", 1 * MiB, Obj({
     "member": Int(0, MAX_MEMBERS - 1), "choice": Int(0, MAX_CHOICES - 1),
-    "tokens": List(_token, 256, 1),
+    "tokens": List(_token, MAX_TOKEN_ENTRIES, 1),
 }))
 _kind("DONE", "engine", 16 * MiB, Obj({}, {
     "choices": List(_finished, MAX_MEMBERS * MAX_CHOICES),
     "usage": _usage,
     "timings": Obj({}, {k: Num() for k in ("queue_s", "prefill_s", "decode_s")}),
     "result": Obj({}, {
-        "ids": List(TOKEN_ID, 1 << 21), "text": Str(16 * MiB), "count": Int(),
+        "ids": List(TOKEN_ID, MAX_RESULT_IDS), "text": Str(16 * MiB), "count": Int(),
     }),
 }))
 _kind("ERROR", "engine", 64 * KiB, Obj(
@@ -273,8 +284,33 @@ def encode(kind: str, rid: int, payload: dict) -> bytes:
         raise ValueError(f"unknown frame kind {kind}")
     body = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
     if len(body) > KINDS[kind].max_payload:
-        raise ValueError(f"{kind} payload of {len(body)} bytes exceeds its bound")
+        raise FrameTooLarge(f"{kind} payload of {len(body)} bytes exceeds its bound of {KINDS[kind].max_payload}")
     return b"%s %d %d\n%s\n" % (kind.encode(), rid, len(body), body)
+
+
+def entry_size_bound(e: dict) -> int:
+    """An upper bound on the encoded size of one ECHO position or TOKEN entry: ids of at most
+    10 digits, floats of at most 24 characters, hex as given (a cheap sum, no encoding)."""
+    top = e.get("top") or ()
+    return 128 + len(e["bytes"]) + sum(48 + len(t[1]) for t in top)
+
+
+def entry_chunks(kind: str, entries: list[dict], max_items: int) -> list[tuple[int, list[dict]]]:
+    """`entries` cut into (offset, slice) pieces that each fit one `kind` frame: at most
+    max_items entries and, with 1 KiB left for the frame's other fields, its payload bound.
+    A model with long tokens and wide tables fills a frame by size before it fills it by count."""
+    budget = KINDS[kind].max_payload - KiB
+    out: list[tuple[int, list[dict]]] = []
+    start, size = 0, 0
+    for i, e in enumerate(entries):
+        n = entry_size_bound(e)
+        if i > start and (i - start >= max_items or size + n > budget):
+            out.append((start, entries[start:i]))
+            start, size = i, 0
+        size += n
+    if start < len(entries):
+        out.append((start, entries[start:]))
+    return out
 
 
 # ---------------------------------------------------------------- decoding

@@ -131,10 +131,29 @@ def test_failed_write_to_the_engine_is_a_named_500_not_a_hang(hostile):
     assert h["status"] == "ok" and h["engine"]["pid"] == pid and h["engine"]["restarts"] == restarts + 1
 
 
-def test_requests_while_the_engine_is_down_get_a_named_503(tmp_path):
+MALFORMED = [  # client faults, each with its named 400 whatever the engine's state
+    ({"model": "fake", "prompt": "ok", "logprobs": 99}, "invalid_value", "logprobs"),
+    ({"model": "fake", "prompt": [[1, 2], "x"]}, "invalid_type", "prompt[1]"),
+    ({"model": "fake", "prompt": "ok", "max_tokens": -1}, "invalid_value", "max_tokens"),
+    ('{"model": "fake", "prompt": "a\\ud800"}', "invalid_value", "prompt"),
+    ('{"model": "fake", "prompt": ', "invalid_json", None),
+    ("[]", "invalid_body", None),
+]
+
+
+def assert_client_faults_are_named(s) -> None:
+    for body, code, param in MALFORMED:
+        data = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(s.url + "/v1/completions", content=data.encode(),
+                       headers={"content-type": "application/json"}, timeout=20)
+        assert r.status_code == 400 and (r.json()["error"]["code"], r.json()["error"]["param"]) == (code, param), \
+            (body, r.text)
+
+
+def test_requests_while_the_engine_is_down_wait_then_get_a_named_503(tmp_path):
     log = tmp_path / "frames.log"
     s = LiveServer(["--engine-command", f"{sys.executable} {FAKE} crash_after_first_start {log}",
-                    "--max-restarts", "4"], expect_ready=False)
+                    "--max-restarts", "4", "--queue-timeout", "0.5"], expect_ready=False)
     try:
         def status():
             try:
@@ -144,20 +163,27 @@ def test_requests_while_the_engine_is_down_get_a_named_503(tmp_path):
         deadline = time.monotonic() + 60
         while status() in (None, "starting", "ok") and time.monotonic() < deadline:
             time.sleep(0.02)
-        # four restarts with backoff (0.25 + 0.5 + 1 + 2 s) keep it down but not failed for a while
+        # four restarts with backoff (0.25 + 0.5 + 1 + 2 s) keep it down but not failed for a
+        # while: a request waits for it up to --queue-timeout, then gets the named 503
         answered = 0
         while time.monotonic() < deadline and status() != "failed":
+            t0 = time.monotonic()
             r = send(s, "ok")
+            if status() == "failed":
+                break
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
-            assert "retry-after" in r.headers
+            assert "retry-after" in r.headers and time.monotonic() - t0 >= 0.45
+            assert_client_faults_are_named(s)
             answered += 1
-            time.sleep(0.1)
         assert answered >= 1  # the loop above ran: the down state was seen and answered
         h = s.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "failed"
         assert "exited" in h.json()["engine"]["last_error"]
+        t0 = time.monotonic()
         r = send(s, "ok")
         assert r.status_code == 503 and "not being restarted" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 0.4  # failed for good: nothing to wait for
+        assert_client_faults_are_named(s)
     finally:
         s.stop()
 

@@ -302,3 +302,20 @@ def test_a_payload_that_cannot_be_framed_opens_no_channel():
 
     h = asyncio.run(go())
     assert (h["in_flight"], h["abandoned"]) == (0, 0)
+
+
+def test_a_submit_beyond_its_frame_bound_is_a_named_413_and_opens_no_channel():
+    """Reachable with a --max-body above 16 MiB: the request's size, named, before any write."""
+    from probity.server.engine_client import EngineClient
+    from probity.server.errors import APIError
+
+    async def go():
+        client = EngineClient("unused")
+        client.state = "ready"
+        with pytest.raises(APIError) as e:
+            await client.submit({"op": "tokenize", "members": [{"text": "x" * (17 << 20)}]})
+        assert (e.value.code, e.value.status) == ("request_too_large", 413)
+        return client.health()
+
+    h = asyncio.run(go())
+    assert (h["in_flight"], h["abandoned"]) == (0, 0)

@@ -152,3 +152,37 @@ def test_fuzz_hostile_json_in_well_framed_payloads(kind, key, value, nest):
             P.KINDS[f.kind].schema(f.payload, f.kind)
             if not P.KINDS[f.kind].reserved:  # reserved kinds are dropped unread
                 json.dumps(f.payload, ensure_ascii=False).encode("utf-8")  # every string is text
+
+
+def long_entry(i: int, token_bytes: int, **more) -> dict:
+    """A position with a 33-entry table, every token `token_bytes` long, and the longest
+    floats repr writes."""
+    h = "23" * token_bytes
+    return {"id": 2**31 - 1 - i, "bytes": h, "logprob": -1.2345678901234567e-300,
+            "top": [[2**31 - 1 - j, h, -1.2345678901234567e-300] for j in range(P.MAX_TOP)], **more}
+
+
+@pytest.mark.parametrize("kind,count,max_items,extra,token_bytes,more", [
+    ("TOKEN", 256, P.MAX_TOKEN_ENTRIES, {"member": P.MAX_MEMBERS - 1, "choice": P.MAX_CHOICES - 1}, 200,
+     {"keep": 4095}),
+    ("ECHO", 4096, P.ECHO_CHUNK, {"member": P.MAX_MEMBERS - 1, "start": 2**40}, 300, {}),
+])
+def test_entry_chunks_never_build_a_frame_beyond_its_bound(kind, count, max_items, extra, token_bytes, more):
+    """256 entries of 200-byte tokens with 33 alternatives are 1.8 MB: one TOKEN frame of
+    them is past its 1 MiB bound (emit() once raised inside step()). Cut by entry_chunks,
+    every frame encodes, passes the reader's checks, and together they hold every entry in order."""
+    entries = [long_entry(i, token_bytes, **more) for i in range(count)]
+    key = "tokens" if kind == "TOKEN" else "positions"
+    with pytest.raises(ValueError):
+        P.encode(kind, 1, {**extra, key: entries[:max_items]})
+    chunks = P.entry_chunks(kind, entries, max_items)
+    assert len(chunks) > count // max_items
+    seen = []
+    for start, part in chunks:
+        assert start == len(seen) and 1 <= len(part) <= max_items
+        frame = P.encode(kind, 1, {**extra, key: part})
+        seen += read_all_sync(frame)[0].payload[key]
+    assert seen == entries
+    small = [{"id": 1, "bytes": "41", "logprob": -1.0} for _ in range(600)]
+    assert [len(p) for _, p in P.entry_chunks(kind, small, max_items)] == \
+        [max_items] * (600 // max_items) + ([600 % max_items] if 600 % max_items else [])

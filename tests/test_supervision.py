@@ -76,6 +76,40 @@ def test_sigkill_engine_mid_request_gives_named_error_fast_and_restarts(server):
     assert server.get("/health").json()["engine"]["in_flight"] == 0
 
 
+RESTART_FAULTS = [
+    ({"model": TINY_ID, "prompt": "ok", "logprobs": 99}, 400, "invalid_value", "logprobs"),
+    ({"model": TINY_ID, "prompt": [[1, 2], "x"]}, 400, "invalid_type", "prompt[1]"),
+    ({"model": TINY_ID, "prompt": "ok", "max_tokens": -1}, 400, "invalid_value", "max_tokens"),
+    ({"model": "other", "prompt": "ok"}, 404, "model_not_found", "model"),
+    ({"model": TINY_ID, "prompt": [10**9]}, 400, "token_out_of_vocabulary", "prompt"),
+]
+
+
+def test_a_restart_keeps_client_faults_named_and_valid_requests_wait_for_it(server):
+    """While the engine restarts, a malformed body gets the named 400 it gets when the engine
+    is up (never 503), and a valid request waits for the engine and is then answered with the
+    same floats, bit for bit, as before the kill (the startup probes ran again)."""
+    probe = {"model": TINY_ID, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0,
+             "echo": True, "logprobs": 5}
+    before = server.post("/v1/completions", json=probe).json()["choices"]
+    pid = server.engine_pid()
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: server.get("/health").status_code == 503, 10)
+    with cf.ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(server.post, "/v1/completions", probe)
+        tokenized = pool.submit(server.post, "/tokenize", {"prompt": "The quick brown fox"})
+        for body, status, code, param in RESTART_FAULTS:
+            r = server.post("/v1/completions", json=body)
+            assert r.status_code == status and (r.json()["error"]["code"], r.json()["error"]["param"]) == (code, param), r.text
+        assert server.get("/health").status_code == 503  # all of that was answered during the restart
+        r = waiting.result()
+        assert r.status_code == 200, r.text
+        assert tokenized.result().status_code == 200
+    assert server.engine_pid() != pid
+    assert r.json()["choices"] == before
+    assert float(r.headers["x-queue-wait-ms"]) > 0
+
+
 def test_sigkill_engine_mid_stream_ends_the_stream_cleanly(server):
     pid = server.engine_pid()
     with httpx.stream("POST", server.url + "/v1/completions", json=slow_body(stream=True), timeout=30) as r:

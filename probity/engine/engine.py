@@ -20,7 +20,6 @@ from .sequence import Request, Sequence, Status, StopText
 from .submit import Refusal, parse_generate
 from .vocab import Vocab
 
-ECHO_CHUNK = 256
 STATS_EVERY = 1.0  # seconds between STATS frames while there is work
 ENGINE_BUILD = "probity-engine-2"
 
@@ -197,9 +196,8 @@ class Engine(FrameHandler):
             positions.append(pos)
         start = entries[0][0]
         seq.echo_next = entries[-1][0] + 1
-        for i in range(0, len(positions), ECHO_CHUNK):
-            self.out.send("ECHO", seq.request.id, {
-                "member": seq.member, "start": start + i, "positions": positions[i:i + ECHO_CHUNK]})
+        for i, chunk in P.entry_chunks("ECHO", positions, P.ECHO_CHUNK):
+            self.out.send("ECHO", seq.request.id, {"member": seq.member, "start": start + i, "positions": chunk})
         if seq.echo_next >= len(seq.prompt):
             self.echo_complete(seq)
 
@@ -258,9 +256,8 @@ class Engine(FrameHandler):
         if seq.member in seq.request.echo_pending:
             seq.held += entries  # a member's echo goes out before any of its tokens
             return
-        for start in range(0, len(entries), 256):
-            self.out.send("TOKEN", seq.request.id, {
-                "member": seq.member, "choice": seq.choice, "tokens": entries[start:start + 256]})
+        for _, chunk in P.entry_chunks("TOKEN", entries, P.MAX_TOKEN_ENTRIES):
+            self.out.send("TOKEN", seq.request.id, {"member": seq.member, "choice": seq.choice, "tokens": chunk})
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

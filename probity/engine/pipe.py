@@ -25,7 +25,10 @@ class Writer:
         self.lock = threading.Lock()
 
     def send(self, kind: str, rid: int, payload: dict) -> None:
-        data = memoryview(P.encode(kind, rid, payload))
+        self.send_encoded(P.encode(kind, rid, payload))
+
+    def send_encoded(self, frame: bytes) -> None:
+        data = memoryview(frame)
         with self.lock:
             try:
                 while data:
@@ -108,8 +111,14 @@ class FrameHandler:
                 self.start_generate(rid, p)
             else:
                 result = run_op(p["op"], p, self.vocab)
+                try:  # encoded before anything is sent: an answer too big for DONE is refused by name
+                    done = P.encode("DONE", rid, {"result": result})
+                except P.FrameTooLarge:
+                    raise Refusal("TOO_LARGE", "the answer would exceed the pipe's 16 MiB bound for one result",
+                                  "ids" if p["op"] == "detokenize" else "members[0]",
+                                  None if p["op"] == "detokenize" else 0) from None
                 self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": result.get("count", 0), "cached_tokens": 0}]})
-                self.out.send("DONE", rid, {"result": result})
+                self.out.send_encoded(done)
         except Refusal as r:
             self.refuse(rid, r)
         except Exception as e:

@@ -77,7 +77,10 @@ def sample(logits: torch.Tensor, seq: Sequence) -> int:
         x -= s.frequency_penalty * c + s.presence_penalty * (c > 0).float()
     if s.temperature == 0.0:
         return int(torch.argmax(x))  # first maximum: the lowest id among ties
-    x = x / s.temperature
+    scaled = x / s.temperature
+    if not torch.isfinite(scaled.max()):
+        return int(torch.argmax(x))  # overflowed: the greedy limit (docs/api.md, `temperature`)
+    x = scaled
     if s.top_p == 1.0 and not (s.top_k and s.top_k < x.numel()):
         # no truncation: draw in token-id order, no sort of the vocabulary needed
         sorted_x, order = x, None
@@ -131,6 +134,17 @@ def sample_many(rows: list[torch.Tensor], seqs: list[Sequence]) -> list[int]:
     if temps:
         drawn = [r for rs in temps.values() for r in rs]
         scaled = torch.cat([x[rs] / t for t, rs in temps.items()])
+        # A temperature so small that logit / temperature overflows float32 samples its limit,
+        # the greedy token, and draws nothing (as `sample` does).
+        finite = torch.isfinite(scaled.max(dim=-1).values).tolist()
+        if not all(finite):
+            for r, ok in zip(drawn, finite):
+                if not ok:
+                    out[batch[r]] = int(torch.argmax(x[r]))
+            keep = [i for i, ok in enumerate(finite) if ok]
+            drawn = [drawn[i] for i in keep]
+            scaled = scaled[keep]
+    if temps and drawn:
         cum = torch.cumsum(torch.softmax(scaled.double(), dim=-1), dim=-1)
         u = torch.stack([torch.rand((), generator=seqs[batch[r]].generator, dtype=torch.float64) for r in drawn])
         u = u * cum[:, -1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..protocol import MAX_CHOICES, MAX_LOGPROBS, MAX_MEMBERS
+from ..protocol import MAX_CHOICES, MAX_LOGPROBS, MAX_MEMBERS, MAX_RESULT_IDS, MAX_STOP_CHARS, MAX_STOPS
 from .sequence import Sampling
 from .vocab import Vocab
 
@@ -49,8 +49,9 @@ def parse_sampling(p: dict, vocab_size: int) -> Sampling:
     s.presence_penalty = _num(p, "presence_penalty", 0.0, -2.0, 2.0)
     s.frequency_penalty = _num(p, "frequency_penalty", 0.0, -2.0, 2.0)
     stop = p.get("stop", [])
-    if type(stop) is not list or len(stop) > 32 or any(type(x) is not str or not x for x in stop):
-        raise _bad("stop", "stop must be a list of at most 32 non-empty strings")
+    if type(stop) is not list or len(stop) > MAX_STOPS or any(
+            type(x) is not str or not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
+        raise _bad("stop", f"stop must be a list of at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters")
     s.stop = stop
     bias = p.get("logit_bias", {})
     if type(bias) is not dict or len(bias) > 1024:
@@ -140,7 +141,15 @@ def run_op(op: str, p: dict, vocab: Vocab) -> dict:
         members = p.get("members")
         if type(members) is not list or len(members) != 1:
             raise Refusal("BAD_REQUEST", "tokenize takes exactly one member", "members")
+        count_only = p.get("count_only", False)
+        if type(count_only) is not bool:
+            raise Refusal("BAD_REQUEST", "count_only must be a boolean", "count_only")
         ids = member_ids(members[0], 0, vocab, add_special)
+        if count_only:
+            return {"count": len(ids)}
+        if len(ids) > MAX_RESULT_IDS:
+            raise Refusal("TOO_LARGE", f"the text is {len(ids)} tokens; one tokenize answer holds at most "
+                          f"{MAX_RESULT_IDS}", "members[0]", 0)
         return {"ids": ids, "count": len(ids)}
     if op == "render":
         members = p.get("members")

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from .assembly import TextBuilder, build_pieces
 from .errors import APIError
-from .generation import Generation, check_capabilities, member_param, until_disconnect
+from .generation import Generation, check_capabilities, member_param, run_op, until_disconnect
 from .validation import (Sampling, _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages,
                          text_content)
 
@@ -182,8 +182,9 @@ async def count_tokens(svc, request, body: dict):
     _model(body, info["model"]["id"])
     check_capabilities(info, chat=True)
     try:
-        result = await svc.engine.run_op({"op": "tokenize", "members": [{"messages": _messages_and_system(body)}],
-                                          "add_special_tokens": False})
+        # only the count comes back: no ids cross the pipe, so no text is too long to count
+        result = await run_op(svc, request, {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}],
+                                             "add_special_tokens": False, "count_only": True})
     except APIError as e:
         raise member_param(e, "messages", False)
     return {"input_tokens": result["count"]}

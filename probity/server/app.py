@@ -65,7 +65,11 @@ class Service:
         self.metrics.engine.report(stats)
 
     def ready_info(self) -> dict:
-        if not self.engine.up or self.engine.ready_info is None:
+        """What the engine's last READY said. The server listens only after the first one,
+        and a restart serves the same model with the same flags, so validation runs on it
+        whatever the engine's state: a client fault is the same named 4xx during a restart.
+        Whether the engine is up is asked only when there is work to submit."""
+        if self.engine.ready_info is None:
             raise self.engine.unavailable()
         return self.engine.ready_info
 

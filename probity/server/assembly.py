@@ -10,7 +10,9 @@ Top-table labels (completions): the token actually at the position is labelled w
 own text contribution, so lm-eval's greedy check (`max(top) == token`) works. Other
 entries are labelled with their own text, or `bytes:\\xNN...` when their bytes are not
 valid UTF-8 on their own; an entry whose label is already taken in the same table is
-labelled `token_id:N` instead, so no two entries ever collapse.
+labelled `token_id:N` instead, so no two entries ever collapse. A token cut by a stop
+string is the exception: `tokens` holds the part of it in the text, and its table names it
+by its whole text (the cut part could be another token's text: `" "` of `" Paris"`).
 """
 from __future__ import annotations
 
@@ -115,6 +117,10 @@ def completion_logprobs(pieces: list[Piece], start_offset: int, token_ids: bool)
 
 
 def top_dict(p: Piece, label: str, token_ids: bool) -> dict:
+    if not token_ids and not p.eos and p.raw != p.token:
+        # A token a stop string cut keeps only its first bytes in `tokens`; in its table it is
+        # named by its whole text, so its value never sits under another token's label.
+        label = own_label(p.token)
     taken = {label}
     table = {}
     for tid, hexb, lp in p.top:

@@ -26,6 +26,7 @@ ENGINE_CODE_MAP = {
     "CONTEXT_EXCEEDED": "context_length_exceeded",
     "PROMPT_BUDGET": "prompt_batch_token_budget_exceeded",
     "OVERLOADED": "engine_unavailable",
+    "TOO_LARGE": "response_too_large",
     "INTERNAL": "engine_error",
     "CANCELLED": "engine_error",
 }
@@ -129,7 +130,8 @@ class EngineClient:
         self.frame_timeout = frame_timeout
         self.max_restarts = max_restarts
         self.command = command or [sys.executable, "-m", "probity.engine", "--model", model, *(engine_args or [])]
-        self.state = "stopped"  # starting | ready | restarting | failed | stopped
+        self._state = "stopped"  # starting | ready | down | restarting | failed | stopped
+        self._changed: asyncio.Future | None = None  # resolved at the next change of state
         self.ready_info: dict | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.channels: dict[int, Channel] = {}
@@ -195,6 +197,33 @@ class EngineClient:
     @property
     def up(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = None
+
+    async def wait_up(self, deadline: float) -> None:
+        """Return once the engine is ready; while it is (re)starting, wait for it until
+        `deadline` (loop time). Raises engine_unavailable (503, Retry-After) if it is not
+        back by then, or at once if it failed for good or the server is stopping."""
+        loop = asyncio.get_running_loop()
+        while self.state != "ready":
+            left = deadline - loop.time()
+            if self.state in ("failed", "stopped") or left <= 0:
+                raise self.unavailable()
+            if self._changed is None:
+                self._changed = loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._changed), left)
+            except asyncio.TimeoutError:
+                pass
 
     def _broken(self, reason: str, proc) -> None:
         """The pipe to `proc` cannot be trusted any more. Acts once per process: a failed
@@ -317,7 +346,10 @@ class EngineClient:
         rid = self.next_id
         self.next_id += 1
         # Encode before the channel exists: a payload that cannot become a frame leaves nothing behind.
-        frame = P.encode("SUBMIT", rid, payload)
+        try:
+            frame = P.encode("SUBMIT", rid, payload)
+        except P.FrameTooLarge as e:  # beyond SUBMIT's bound (a --max-body above it): the request's size
+            raise APIError("request_too_large", f"the request is too large for the engine pipe: {e}") from None
         ch = Channel(rid, members, choices, echo)
         self.channels[rid] = ch
         try:
@@ -350,16 +382,6 @@ class EngineClient:
             await self._write(P.encode("CANCEL", rid, {}))
         except APIError:
             pass
-
-    async def run_op(self, payload: dict) -> dict:
-        """A non-generate op (tokenize, detokenize, render): its DONE result."""
-        ch = await self.submit(payload)
-        try:
-            await ch.wait_accept(self.accept_timeout)
-            f = await ch.next()
-            return f.payload["result"]
-        finally:
-            self.cancel(ch)
 
     def health(self) -> dict:
         return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,

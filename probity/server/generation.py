@@ -54,8 +54,13 @@ class Generation:
         request is left anywhere. Callers run it under `until_disconnect`."""
         svc = self.svc
         try:
-            self.queue_s = await svc.admission.acquire()
+            deadline = asyncio.get_running_loop().time() + svc.admission.timeout
+            await svc.admission.acquire()
             self._slot = True
+            # A request that arrives while the engine restarts waits for it, within the
+            # queue's timeout, instead of being refused: a restart is part of the design.
+            await svc.engine.wait_up(deadline)
+            self.queue_s = time.monotonic() - self.t0
             self.ch = await svc.engine.submit(self.payload, self.members, self.choices, self.echo)
             self.accept = await self.ch.wait_accept(svc.engine.accept_timeout)
             return self.accept
@@ -76,6 +81,10 @@ class Generation:
                     self.first_token_at = now
                 self.token_span.setdefault((f.payload["member"], f.payload["choice"]), [now, now])[1] = now
             yield f
+
+    async def result(self) -> dict:
+        """A tokenizer op's answer (its DONE `result`)."""
+        return (await self.ch.next()).payload["result"]
 
     def log_stream_failure(self, response_id: str, e: APIError) -> None:
         log.error("request_id=%s response_id=%s stream ended after commit: code=%s %s",
@@ -104,6 +113,17 @@ class Generation:
         if self._slot:
             self._slot = False
             self.svc.admission.release()
+
+
+async def run_op(svc, request: Request, payload: dict) -> dict:
+    """A tokenizer op (tokenize, detokenize) through admission like any request: it takes a
+    slot, waits its turn in the bounded queue, and is cancelled if the client leaves."""
+    gen = Generation(svc, request, payload, 1, 1, False)
+    try:
+        await until_disconnect(request, gen.start())
+        return await until_disconnect(request, gen.result())
+    finally:
+        gen.close()
 
 
 def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = False, ids: bool = False,

@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..protocol import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOPS
 from .errors import APIError
-
-MAX_STOP = 32
-MAX_N = 16
 
 
 @dataclass
@@ -159,16 +157,20 @@ def _stop(body: dict, key: str = "stop") -> list[str]:
     if type(v) is str:
         if not v:
             raise _value(key, "a non-empty string")
+        if len(v) > MAX_STOP_CHARS:
+            raise _value(key, f"at most {MAX_STOP_CHARS} characters")
         return [v]
     if type(v) is not list:
         raise _type(key, "a string or an array of strings")
-    if len(v) > MAX_STOP:
-        raise _value(key, f"at most {MAX_STOP} strings")
+    if len(v) > MAX_STOPS:
+        raise _value(key, f"at most {MAX_STOPS} strings")
     for i, s in enumerate(v):
         if type(s) is not str:
             raise _type(f"{key}[{i}]", "a string")
         if not s:
             raise _value(f"{key}[{i}]", "a non-empty string")
+        if len(s) > MAX_STOP_CHARS:
+            raise _value(f"{key}[{i}]", f"at most {MAX_STOP_CHARS} characters")
     return list(v)
 
 
@@ -203,7 +205,7 @@ def _sampling(body: dict, vocab_size: int, max_tokens_key: str = "max_tokens") -
     s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _integer(body, "top_k", 0, -1, vocab_size)
     s.top_k = 0 if top_k == -1 else top_k
-    s.n = _integer(body, "n", 1, 1, MAX_N)
+    s.n = _integer(body, "n", 1, 1, MAX_CHOICES)
     s.stop = _stop(body)
     s.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     s.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)

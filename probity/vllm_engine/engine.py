@@ -28,7 +28,6 @@ from ..engine.vocab import Vocab
 from . import config
 from .request import Req, Seq
 
-ECHO_CHUNK = 256
 STATS_EVERY = 1.0
 
 
@@ -272,9 +271,8 @@ class VllmEngine(FrameHandler):
                 positions.append({"id": t, "bytes": self.vocab.token_bytes[t].hex(), "logprob": None, "top": None})
             else:
                 positions.append(self.entry(t, lp, req.sampling.logprobs))
-        for start in range(0, len(positions), ECHO_CHUNK):
-            self.out.send("ECHO", req.id, {"member": q.member, "start": q.echo_sent + start,
-                                           "positions": positions[start:start + ECHO_CHUNK]})
+        for start, part in P.entry_chunks("ECHO", positions, P.ECHO_CHUNK):
+            self.out.send("ECHO", req.id, {"member": q.member, "start": q.echo_sent + start, "positions": part})
         q.echo_sent += len(positions)
 
     def finish_echo(self, req: Req, q: Seq) -> None:
@@ -294,8 +292,8 @@ class VllmEngine(FrameHandler):
         if req.sampling.echo and q.member not in req.echo_done:
             q.held.extend(entries)  # the pipe wants a member's ECHO before any of its TOKENs
             return
-        for start in range(0, len(entries), 256):
-            self.out.send("TOKEN", req.id, {"member": q.member, "choice": q.choice, "tokens": entries[start:start + 256]})
+        for _, part in P.entry_chunks("TOKEN", entries, P.MAX_TOKEN_ENTRIES):
+            self.out.send("TOKEN", req.id, {"member": q.member, "choice": q.choice, "tokens": part})
 
     def done(self, req: Req) -> None:
         del self.requests[req.id]
