@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache_dir import cache_dir
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ID = "SmolLM2-135M-Instruct"
 
@@ -57,9 +59,7 @@ def resolve(model: str) -> tuple[Path, str]:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("PROBITY_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "probity")
-    return Path(base) / "models"
+    return cache_dir("models")
 
 
 def file_sha256(path: Path) -> str:

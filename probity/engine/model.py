@@ -201,7 +201,8 @@ def value_gemm(e: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
     return torch.matmul(e, vals.view(KV, items, S, KEY_ALIGN, vals.shape[-1]))
 
 
-def attention_min_rows(head_dim: int, group: int, row_counts: list[int], probe_columns: int = 4096) -> int:
+def attention_min_rows(head_dim: int, group: int, row_counts: list[int], probe_columns: int = 4096,
+                       seed: int = 0) -> int:
     """The fewest query rows per item that attention may give its two GEMMs on this CPU.
 
     A GEMM kernel may reduce a row differently when the call has few rows: measured on an
@@ -217,7 +218,7 @@ def attention_min_rows(head_dim: int, group: int, row_counts: list[int], probe_c
     widest = row_counts[-1]
     probed = [r for r in row_counts
               if r * group <= probe_columns or r & (r - 1) == 0 or r == widest]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     bad = 0
     for L, items in ((KEY_ALIGN, 1), (3 * KEY_ALIGN, 3)):
         keys = torch.randn(2, items, L, head_dim, generator=gen)
@@ -274,7 +275,7 @@ class AttnGroup:
 
 
 class Model:
-    def __init__(self, hf_model, num_blocks: int, block_size: int):
+    def __init__(self, hf_model, num_blocks: int, block_size: int, calibration=None):
         cfg = hf_model.config
         check_supported(cfg)
         self.cfg = cfg
@@ -310,12 +311,13 @@ class Model:
                 q_norm=a.q_norm.weight.detach().float() if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight.detach().float() if hasattr(a, "k_norm") else None,
             ))
-        # each linear's oneDNN row floor and narrow.c block, measured once per shape and kind of call
+        # each linear's oneDNN row floor and narrow.c block, measured once per shape and kind of
+        # call (or read back from the calibration cache, verified)
         probes: dict[tuple, tuple[int, int | None]] = {}
         for lin in [self.head] + [x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down)]:
             key = (lin.out_features, lin.in_features, lin.b is not None, lin.residual)
             if key not in probes:
-                probes[key] = probe_linear(lin)
+                probes[key] = calibration.linear(lin) if calibration is not None else probe_linear(lin)
             lin.min_rows = probes[key][0]
             lin.use_narrow(probes[key][1])
         self.linear_probes = probes

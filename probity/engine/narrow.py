@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .cache_dir import cache_dir
+
 MAX_ROWS = 32    # calls of up to this many rows take this kernel (measured faster than oneDNN on every shape up to 32)
 PANEL = 16       # outputs per packed panel: the kernel's [ceil(N/16)][K][16] weight layout
 SLICE = 64       # attention's key slice: model.KEY_ALIGN, and narrow.c's SLICE (model imports this module)
@@ -63,8 +65,7 @@ def _cpu_has(*flags: str) -> bool:
 def library_path() -> Path:
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "probity" / "kernels" / f"narrow-{tag}.so"
+    return cache_dir("kernels") / f"narrow-{tag}.so"
 
 
 def build() -> Path:

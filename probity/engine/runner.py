@@ -11,7 +11,8 @@ import torch
 from .kv_cache import BlockPool
 from .loader import log
 from . import narrow
-from .model import KEY_ALIGN, AttnGroup, Model, attention_min_rows
+from .calibration import Calibration
+from .model import KEY_ALIGN, AttnGroup, Model
 from ..protocol import MAX_LOGPROBS
 from .sampler import top_lists, with_chosen
 from .sequence import Sequence
@@ -95,14 +96,15 @@ class SeqResult:
 class ModelRunner:
     def __init__(self, hf_model, threads: int | None = None, kv_cache_gib: float = 2.0,
                  head_rows: int = 128, num_blocks: int | None = None, prefix_cache: bool = True,
-                 max_rows: int = 512):
+                 max_rows: int = 512, calibration: Calibration | None = None):
         if threads:
             torch.set_num_threads(threads)
         cfg = hf_model.config
         per_block = (Model.bytes_per_token(cfg) + EchoCache.BYTES_PER_TOKEN) * BLOCK_SIZE
         num_blocks = num_blocks or max(2, int(kv_cache_gib * (1 << 30)) // per_block + 1)
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_cache)
-        self.model = Model(hf_model, num_blocks, BLOCK_SIZE)
+        calibration = calibration or Calibration.default()
+        self.model = Model(hf_model, num_blocks, BLOCK_SIZE, calibration)
         self.echo = EchoCache(num_blocks * BLOCK_SIZE)
         # an item's attention rows: its new rows' row_bucket, at least `min_rows`, measured on
         # this CPU's kernels for every bucket a step of up to `max_rows` rows can use. The
@@ -110,11 +112,13 @@ class ModelRunner:
         # each other (each gives every count from its floor the bits of a common wide call;
         # a budget of 3 rows alone would compare narrow calls only with narrow calls)
         self.max_rows = max_rows
-        self.min_rows = attention_min_rows(self.model.head_dim, self.model.group,
-                                           row_buckets(max(max_rows, PROBE_ROWS)))
+        self.min_rows = calibration.attention(self.model.head_dim, self.model.group,
+                                              row_buckets(max(max_rows, PROBE_ROWS)))
+        calibration.save()
+        log(calibration.summary())
         probes = self.model.linear_probes.values()
         floors = sorted({f for f, _ in probes})
-        log(f"row floors measured on this CPU: attention {self.min_rows} per sequence, linears {'/'.join(map(str, floors))}")
+        log(f"row floors on this CPU: attention {self.min_rows} per sequence, linears {'/'.join(map(str, floors))}")
         fast = sum(kb is not None for _, kb in probes)
         log(f"narrow linear kernel (calls of up to {narrow.MAX_ROWS} rows): "
             + (f"equals oneDNN on {fast} of {len(probes)} linear shapes" if narrow.load() is not None

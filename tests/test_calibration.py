@@ -1,0 +1,59 @@
+"""The startup calibration cache: measured once, read back verified, re-measured when wrong."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from probity.engine import calibration as C
+from probity.engine.model import Linear, attention_min_rows, probe_linear
+from probity.engine.runner import row_buckets
+
+
+def linears() -> list[Linear]:
+    gen = torch.Generator().manual_seed(3)
+    return [Linear(torch.randn(96, 64, generator=gen)),
+            Linear(torch.randn(64, 128, generator=gen), torch.randn(64, generator=gen), residual=True)]
+
+
+def test_a_second_start_reads_the_calibration_back_and_gets_the_same_answers(tmp_path):
+    first = C.Calibration(tmp_path)
+    answers = [first.linear(lin) for lin in linears()] + [first.attention(16, 2, row_buckets(512))]
+    assert (first.measured, first.reused) == (3, 0)
+    first.save()
+    assert answers[:2] == [probe_linear(lin) for lin in linears()]
+    assert answers[2] == attention_min_rows(16, 2, row_buckets(512))
+
+    second = C.Calibration(tmp_path)
+    again = [second.linear(lin) for lin in linears()] + [second.attention(16, 2, row_buckets(512))]
+    assert again == answers and (second.measured, second.reused, second.failed) == (0, 3, 0)
+    assert "verified" in second.summary()
+
+
+def test_a_cached_entry_that_no_longer_holds_is_measured_again(tmp_path):
+    first = C.Calibration(tmp_path)
+    lin = linears()[0]
+    right = first.linear(lin)
+    first.save()
+    data = json.loads(first.path.read_text())
+    (key,) = [k for k in data["entries"] if k.startswith("linear/")]
+    # a k-block no kernel order gives: verification on fresh data must catch it
+    data["entries"][key] = [right[0], 3] if right[1] is not None else [0, None]
+    first.path.write_text(json.dumps(data))
+    second = C.Calibration(tmp_path)
+    assert second.linear(lin) == right and (second.failed, second.measured) == (1, 1)
+    second.save()
+    assert json.loads(second.path.read_text())["entries"][key] == list(right)
+
+
+def test_the_cache_key_holds_what_the_outcome_depends_on(tmp_path, monkeypatch):
+    fp = C.fingerprint()
+    assert {"cpu", "cpu_flags", "torch", "torch_config", "threads", "narrow", "code"} <= set(fp)
+    a = C.Calibration(tmp_path)
+    a.linear(linears()[0])
+    a.save()
+    monkeypatch.setattr(C, "_sources", lambda: b"other kernels")  # an edited probe or kernel
+    b = C.Calibration(tmp_path)
+    assert b.path != a.path and not b.entries
+    monkeypatch.setenv("PROBITY_CALIBRATION", "fresh")
+    assert C.Calibration.default().path is None
