@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-prompt-tokens", type=int, default=65536, help="prompt-token budget of one prompt array")
     s.add_argument("--batch-completion-tokens", type=int, default=65536,
                    help="members x n x max_tokens budget of one prompt array")
+    s.add_argument("--max-response-mib", type=float, default=64.0,
+                   help="engine output one non-streamed response may assemble (echo, logprobs tables); beyond it "
+                        "400 response_too_large and the work is cancelled. Streamed responses are not bound by it")
     s.add_argument("--max-running", type=int, default=64, help="sequences the engine runs at once")
     s.add_argument("--threads", type=int, default=None, help="torch threads in the engine (default: every core)")
     s.add_argument("--step-tokens", type=int, default=512,
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
             resolve(args.model)
         except ModelNotFound as e:
             sys.exit(f"probity: {e}")
+    if not args.max_response_mib > 0:
+        sys.exit("probity: --max-response-mib must be above 0")
     if args.max_logprobs > 32 or args.max_logprobs < 0:
         sys.exit("probity: --max-logprobs must be in [0, 32] (the engine's own limit)")
 
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         max_restarts=args.max_restarts, max_body=args.max_body, body_timeout=args.body_timeout,
         allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
         limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
-                      args.batch_completion_tokens),
+                      args.batch_completion_tokens, int(args.max_response_mib * (1 << 20))),
         engine_args=engine_args, engine_command=engine_command)
     from .server.transport import DeadlineH11Protocol
 

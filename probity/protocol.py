@@ -269,6 +269,7 @@ class Frame:
     kind: str
     id: int
     payload: dict
+    size: int = 0  # payload bytes as read (what a response assembled from it costs, roughly)
 
 
 # ---------------------------------------------------------------- encoding
@@ -346,7 +347,7 @@ def parse_payload(kind: Kind, rid: int, data: bytes) -> Frame:
     if type(obj) is not dict:
         raise ProtocolViolation(f"{kind.name} payload is not an object")
     kind.schema(obj, kind.name)
-    return Frame(kind.name, rid, obj)
+    return Frame(kind.name, rid, obj, len(data) - 1)
 
 
 def _reject_constant(name: str) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
+import httpx
+
 import pytest
 
-from conftest import TINY_ID
+from conftest import TINY_ID, LiveServer
 from test_hostile_input import assert_named, nothing_in_flight
 
 HASHES = 45855  # the default model's token of 80 '#'
@@ -127,3 +129,61 @@ def test_a_stop_cut_token_never_lends_its_value_to_another_label(default_server)
     top = lp["top_logprobs"][-1]
     assert top[" Paris"] == lp["token_logprobs"][-1]
     assert top.get(" ", None) != lp["token_logprobs"][-1]
+
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_model_dir):
+    """One engine slot, no queue, and a 0.25 MiB response bound."""
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "1", "--max-queue", "0",
+                    "--max-response-mib", "0.25"])
+    yield s
+    s.stop()
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+def test_a_response_past_the_bound_is_refused_by_name_and_its_work_cancelled(one_slot):
+    before = health_engine(one_slot)
+    body = {"model": TINY_ID, "prompt": [PROMPT] * 8, "echo": True, "logprobs": 32, "max_tokens": 4}
+    r = one_slot.post("/v1/completions", json=body)
+    assert_named(r, False, 400, "response_too_large", None)
+    assert "0.25 MiB" in r.json()["error"]["message"] and "--max-response-mib" in r.json()["error"]["message"]
+    unrestarted(one_slot, before)
+    one = {**body, "prompt": PROMPT}
+    assert one_slot.post("/v1/completions", json=one).status_code == 200  # one member fits
+    streamed = one_slot.post("/v1/completions", json={**one, "max_tokens": 140, "stream": True,
+                                                             "logit_bias": {"2": -100}})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    assert len(streamed.content) > 1 << 18  # past the bound, streamed: nothing was held back
+
+
+def test_tokenizer_routes_take_an_admission_slot(one_slot):
+    body = {"model": TINY_ID, "prompt": "Hello", "max_tokens": 200, "stream": True, "logit_bias": {"2": -100}}
+    with httpx.stream("POST", one_slot.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        it = r.iter_text()
+        next(it)  # the one slot is taken
+        for path, payload in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [5, 6]}),
+                              ("/v1/messages/count_tokens", {"model": TINY_ID, "messages": [
+                                  {"role": "user", "content": "Hi"}]})):
+            q = one_slot.post(path, json=payload)
+            assert q.status_code == 429 and "queue" in q.text and q.headers["retry-after"], (path, q.text)
+        "".join(it)
+    assert one_slot.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
+
+
+def test_a_large_response_is_written_choice_by_choice_with_the_same_content(tiny_server):
+    """32 echoed members with 32-entry tables are ~5 MB: written as a chunked body, one choice
+    at a time, and equal to each member sent alone."""
+    prompts = [f"{i} {PROMPT}" for i in range(32)]
+    body = {"model": TINY_ID, "echo": True, "logprobs": 32, "max_tokens": 2, "temperature": 0}
+    r = tiny_server.post("/v1/completions", json={**body, "prompt": prompts})
+    assert r.status_code == 200 and "content-length" not in r.headers
+    assert r.headers["content-type"] == "application/json" and len(r.content) > 1 << 20
+    got = r.json()
+    assert got["object"] == "text_completion" and got["usage"]["completion_tokens"] == 64
+    for i in (0, 17, 31):
+        alone = tiny_server.post("/v1/completions", json={**body, "prompt": prompts[i]}).json()
+        assert "content-length" in tiny_server.post("/v1/completions", json={**body, "prompt": "Hi"}).headers
+        assert {**got["choices"][i], "index": 0} == alone["choices"][0]

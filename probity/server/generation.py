@@ -30,6 +30,7 @@ class Outcome:
     echo: dict[int, list[dict]] = field(default_factory=dict)          # member -> positions
     tokens: dict[tuple[int, int], list[dict]] = field(default_factory=dict)  # (member, choice) -> entries
     done: dict | None = None
+    size: int = 0  # frame payload bytes
 
 
 class Generation:
@@ -91,8 +92,17 @@ class Generation:
                   self.request_id, response_id, e.code, e.message)
 
     async def collect(self) -> Outcome:
+        """Every frame of a non-streamed answer, at most --max-response-mib of them: past that
+        the engine work is cancelled and the request refused by name (a streamed answer holds
+        nothing back, so it has no such bound)."""
         out = Outcome(self.accept)
+        bound = self.svc.limits.max_response_bytes
         async for f in self.frames():
+            out.size += f.size
+            if out.size > bound:
+                raise APIError("response_too_large",
+                               f"the answer would exceed the server's response bound of {bound / (1 << 20):g} MiB "
+                               "(--max-response-mib): ask for fewer members, tokens or logprobs, or stream it")
             p = f.payload
             if f.kind == "ECHO":
                 out.echo.setdefault(p["member"], []).extend(p["positions"])

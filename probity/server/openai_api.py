@@ -1,16 +1,18 @@
 """POST /v1/completions and /v1/chat/completions."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import StreamingResponse
 
 from .assembly import TextBuilder, build_pieces, chat_logprobs, completion_logprobs
 from .errors import APIError
 from .generation import Generation, check_capabilities, member_param, until_disconnect, usage
+from .responses import json_answer
 from .validation import CompletionRequest, parse_chat, parse_completion
 
 
@@ -52,20 +54,20 @@ async def completions(svc, request: Request, body: dict):
         raise member_param(e, "prompt", req.is_array)
     finally:
         gen.close()
-    choices = []
     n = req.sampling.n
     fins = {(c["member"], c["choice"]): c for c in out.done["choices"]}
-    for mi in range(len(req.members)):
-        for ci in range(n):
-            pieces = build_pieces(out.tokens.get((mi, ci), []), out.echo.get(mi, []))
-            text = "".join(p.text for p in pieces)
-            lp = None
-            if req.logprobs is not None:
-                lp = completion_logprobs(pieces, 0, req.token_ids_labels).as_dict()
-            choices.append({"index": mi * n + ci, "text": text, "logprobs": lp,
-                            "finish_reason": fins[(mi, ci)]["finish_reason"]})
-    body = {**meta, "object": "text_completion", "choices": choices, "usage": usage(out.done)}
-    return JSONResponse(body, headers=headers)
+
+    def choice(mi: int, ci: int) -> dict:
+        pieces = build_pieces(out.tokens.pop((mi, ci), []), out.echo.get(mi, []) if ci < n - 1 else out.echo.pop(mi, []))
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(pieces, 0, req.token_ids_labels).as_dict()
+        return {"index": mi * n + ci, "text": "".join(p.text for p in pieces), "logprobs": lp,
+                "finish_reason": fins[(mi, ci)]["finish_reason"]}
+
+    items = (functools.partial(choice, mi, ci) for mi in range(len(req.members)) for ci in range(n))
+    return json_answer({**meta, "object": "text_completion"}, "choices", items, {"usage": usage(out.done)},
+                       headers, out.size)
 
 
 class _ChoiceStream:
@@ -158,15 +160,17 @@ async def chat_completions(svc, request: Request, body: dict):
     finally:
         gen.close()
     fins = {c["choice"]: c for c in out.done["choices"]}
-    choices = []
-    for ci in range(req.sampling.n):
-        pieces = build_pieces(out.tokens.get((0, ci), []))
+
+    def choice(ci: int) -> dict:
+        pieces = build_pieces(out.tokens.pop((0, ci), []))
         lp = {"content": _chat_lp(pieces, k), "refusal": None} if k is not None else None
-        choices.append({"index": ci, "message": {"role": "assistant", "content": "".join(p.text for p in pieces),
-                                                 "refusal": None},
-                        "logprobs": lp, "finish_reason": fins[ci]["finish_reason"]})
-    return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(out.done)},
-                        headers=headers)
+        return {"index": ci, "message": {"role": "assistant", "content": "".join(p.text for p in pieces),
+                                         "refusal": None},
+                "logprobs": lp, "finish_reason": fins[ci]["finish_reason"]}
+
+    items = (functools.partial(choice, ci) for ci in range(req.sampling.n))
+    return json_answer({**meta, "object": "chat.completion"}, "choices", items, {"usage": usage(out.done)},
+                       headers, out.size)
 
 
 def _chat_lp(pieces: list, k: int) -> list[dict]:

@@ -16,6 +16,7 @@ class Limits:
     max_members: int = 128
     batch_prompt_tokens: int = 65536
     batch_completion_tokens: int = 65536
+    max_response_bytes: int = 64 << 20  # engine frames one non-streamed response may assemble
 
 
 @dataclass
