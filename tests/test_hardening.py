@@ -56,6 +56,20 @@ def test_cors_only_for_configured_origins(keyed):
     assert "access-control-allow-origin" not in r.headers
 
 
+def test_options_needs_the_key_when_no_cors_origin_is_set(tiny_model_dir):
+    """Only a configured CORS layer answers preflights without a key; without one, OPTIONS is
+    a request like any other and the key check holds."""
+    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--api-key", "k"])
+    try:
+        for path in ("/v1/completions", "/metrics", "/v1/models"):
+            r = httpx.options(s.url + path, headers={"Origin": "https://evil.example",
+                                                      "Access-Control-Request-Method": "POST"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+            assert "access-control-allow-origin" not in r.headers
+    finally:
+        s.stop()
+
+
 def test_default_server_sends_no_cors_headers(tiny_server):
     r = tiny_server.post("/v1/completions", json={}, headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in r.headers

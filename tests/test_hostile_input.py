@@ -319,3 +319,33 @@ def test_a_submit_beyond_its_frame_bound_is_a_named_413_and_opens_no_channel():
 
     h = asyncio.run(go())
     assert (h["in_flight"], h["abandoned"]) == (0, 0)
+
+
+def raw_exchange(server, data: bytes) -> bytes:
+    """Send raw bytes, read until the server closes (a reset raises)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as c:
+        c.sendall(data)
+        out = b""
+        while chunk := c.recv(65536):
+            out += chunk
+    return out
+
+
+@pytest.mark.parametrize("head,status,code", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n", 400, "invalid_http_request"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+     400, "invalid_http_request"),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n", 400, "invalid_http_request"),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n", 431,
+     "request_header_too_large"),
+], ids=["bad-content-length", "two-content-lengths", "two-hosts", "200KB-header"])
+def test_http_the_parser_refuses_gets_the_error_envelope_not_plain_text_or_a_reset(tiny_server, head, status, code):
+    out = raw_exchange(tiny_server, head)
+    status_line, _, rest = out.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status_line.startswith(b"HTTP/1.1 %d " % status), out[:200]
+    assert b"content-type: application/json" in headers and b"x-request-id: req_" in headers
+    assert json.loads(body)["error"]["code"] == code and CODES[code][0] == status
+    nothing_in_flight(tiny_server)

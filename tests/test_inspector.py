@@ -289,3 +289,23 @@ def test_api_errors_are_shown_by_name(server, page, tmp_path):
     expect()(err).to_be_visible()
     assert err.locator(".code").inner_text() == "context_length_exceeded"
     assert err.locator(".param").inner_text() == "prompt[1]" and "continuation 2" in err.inner_text()
+
+
+def test_api_docs_page_renders_offline_from_probitys_own_files(browser, server):
+    """/docs is Swagger UI from an installed package, not a CDN: in a browser whose every
+    request to another origin is refused, it renders the whole surface under its CSP."""
+    ctx = browser.new_context(extra_http_headers=AUTH)
+    pg = ctx.new_page()
+    foreign, errors = [], []
+    pg.route("**/*", lambda route: route.continue_() if route.request.url.startswith(server.url)
+             else (foreign.append(route.request.url), route.abort()))
+    pg.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    r = pg.goto(server.url + "/docs")
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    expect()(pg.locator(".opblock-summary-path", has_text="/v1/completions").first).to_be_visible(timeout=20000)
+    paths = {t.strip() for t in pg.locator(".opblock-summary-path").all_inner_texts()}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize", "/health"} <= paths
+    ctx.close()
+    assert not foreign and not errors, (foreign, errors)
+    assert server.get("/redoc", headers=AUTH).status_code == 404  # ReDoc would load from a CDN

@@ -18,7 +18,7 @@ KEY = {"Authorization": "Bearer k3y"}
 FORGED = "/v1/models/x%22,status=%22999%22%7D%2042%20%23"
 TEMPLATES = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
              "/detokenize", "/tokenizer_info", "/v1/models", "/v1/models/{model_id:path}", "/health", "/metrics",
-             "/", "/inspect", "/inspector/{name}", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
+             "/", "/inspect", "/inspector/{name}", "/docs", "/docs/assets/{name}", "/openapi.json",
              "other"}
 
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import inspector
+from . import api_docs, inspector
 from .admission import Admission
 from .body import read_json
 from .engine_client import EngineClient
@@ -86,7 +86,7 @@ def create_app(config: Config) -> FastAPI:
         yield
         await svc.engine.stop()
 
-    app = FastAPI(title="probity", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="probity", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI- and Anthropic-compatible inference server with exact instrumentation. "
                               "Field-by-field contract: docs/api.md.")
     app.state.svc = svc
@@ -118,6 +118,7 @@ def create_app(config: Config) -> FastAPI:
     from . import anthropic_api, openai_api, tokenizer_api
 
     inspector.add_routes(app)
+    api_docs.add_routes(app)
 
     from .validation import CHAT_FIELDS, COMPLETION_FIELDS
 
@@ -256,8 +257,11 @@ class Envelope:
             # DNS rebinding: a page on another name that resolves to us must not reach the API.
             return APIError("invalid_host", f"Host {host!r} is not allowed; see --allowed-host")
         key = self.svc.config.api_key
-        # CORS preflights carry no credentials by design; the CORS layer answers them.
-        if key and path != "/health" and not inspector.is_public(path) and method != "OPTIONS":
+        # CORS preflights carry no credentials by design; the CORS layer answers them (only
+        # when an origin is configured: without one there is no CORS layer, and an OPTIONS is
+        # a request like any other).
+        preflight = method == "OPTIONS" and bool(self.svc.config.cors_origins)
+        if key and path != "/health" and not inspector.is_public(path) and not preflight:
             given = headers.get("x-api-key")
             auth = headers.get("authorization", "")
             if given is None and auth.lower().startswith("bearer "):

@@ -25,6 +25,8 @@ CODES: dict[str, tuple[int, str, str]] = {
     "not_found": (404, "not_found_error", "not_found_error"),
     "method_not_allowed": (405, "invalid_request_error", "invalid_request_error"),
     "invalid_host": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_http_request": (400, "invalid_request_error", "invalid_request_error"),
+    "request_header_too_large": (431, "invalid_request_error", "invalid_request_error"),
     "request_timeout": (408, "invalid_request_error", "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error", "request_too_large"),
     "unsupported_media_type": (415, "invalid_request_error", "invalid_request_error"),
