@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token rows in one forward pass: decodes plus prompt chunks (bounds step memory)")
     s.add_argument("--kv-cache-gib", type=float, default=2.0,
                    help="size of the preallocated KV block pool in GiB (the context window is capped to it)")
+    s.add_argument("--kept-keys-gib", type=float, default=1.0,
+                   help="the largest decode group's gathered keys kept between steps, at most (scratch; 0: none)")
+    s.add_argument("--heap-keep-gib", type=float, default=1.0,
+                   help="free heap the engine keeps mapped instead of returning it to the OS (glibc's trim "
+                        "threshold; a step's temporaries reuse it instead of faulting pages in again)")
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (the cache changes no number, only speed)")
     s.add_argument("--max-restarts", type=int, default=5,
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
             resolve(args.model)
         except ModelNotFound as e:
             sys.exit(f"probity: {e}")
+    if args.kept_keys_gib < 0 or args.heap_keep_gib < 0:
+        sys.exit("probity: --kept-keys-gib and --heap-keep-gib must be at least 0")
     if not args.max_response_mib > 0:
         sys.exit("probity: --max-response-mib must be above 0")
     if args.max_logprobs > 32 or args.max_logprobs < 0:
@@ -120,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("probity: PROBITY_ACCEPT_TIMEOUT and PROBITY_FRAME_TIMEOUT must be numbers of seconds")
     engine_args = ["--max-running", str(args.max_running), "--step-tokens", str(args.step_tokens),
                    "--kv-cache-gib", str(args.kv_cache_gib)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
+    if args.backend != "vllm":  # probity's own engine's memory knobs
+        engine_args += ["--kept-keys-gib", str(args.kept_keys_gib), "--heap-keep-gib", str(args.heap_keep_gib)]
     if args.threads:
         engine_args += ["--threads", str(args.threads)]
     if args.backend == "vllm":

@@ -228,6 +228,10 @@ _kind("READY", "engine", 1 * MiB, Obj({
         "batch_invariant": Bool(), "prefix_cache": Bool(),
     }),
     "concurrency": Int(1, 4096),
+}, {
+    # bytes the engine holds, by part (what each part is: docs/engine.md, Memory)
+    "memory": Obj({}, {k: Int() for k in ("weights_onednn", "weights_narrow", "weights_other",
+                                          "kv_pool", "hidden_pool", "echo_cache", "kept_keys_max", "resident")}),
 }))
 _kind("ACCEPT", "engine", 64 * KiB, Obj({
     "members": List(Obj({"prompt_tokens": Int(), "cached_tokens": Int()}), MAX_MEMBERS, 1),
@@ -258,6 +262,7 @@ _kind("STATS", "engine", 64 * KiB, Obj({}, {
     "prefix_query_tokens": Int(), "prefix_hit_tokens": Int(), "preemptions": Int(),
     # now
     "kv_blocks_used": Int(), "kv_blocks_total": Int(),
+    "resident_bytes": Int(),
 }))
 for _name in ("GRPP", "GRPG", "GRPS", "GRPE"):
     _kind(_name, "engine", 1 * MiB, lambda v, p: None if type(v) is dict else _fail(p, "expected object"),

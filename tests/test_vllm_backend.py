@@ -339,3 +339,9 @@ def test_vllm_flags_need_the_vllm_backend():
     p = subprocess.run([sys.executable, "-m", "probity", "serve", "--tensor-parallel-size", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "need --backend vllm" in p.stderr
+
+
+def test_probity_vllm_python_env_var_names_the_interpreter(tmp_path):
+    missing = tmp_path / "elsewhere" / "python"
+    err = serve_exits(env={"PROBITY_VLLM_PYTHON": str(missing)})
+    assert str(missing) in err and "make setup-vllm" in err

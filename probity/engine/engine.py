@@ -13,7 +13,7 @@ from ..protocol import finite_or_none
 from .loader import Loaded, log
 from .pipe import FrameHandler, Writer, open_pipe
 from .model import UnsupportedModel
-from .runner import ModelRunner
+from .runner import ModelRunner, resident_bytes
 from .sampler import new_generator, sample_many, top_tables
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status, StopText
@@ -27,9 +27,10 @@ ENGINE_BUILD = "probity-engine-2"
 class Engine(FrameHandler):
     def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, max_running: int = 64,
                  threads: int | None = None, step_tokens: int = 512, kv_cache_gib: float = 2.0,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, kept_keys_gib: float = 1.0):
         self.loaded = loaded
-        self.runner = ModelRunner(loaded.model, threads, kv_cache_gib, prefix_cache=prefix_cache, max_rows=step_tokens)
+        self.runner = ModelRunner(loaded.model, threads, kv_cache_gib, prefix_cache=prefix_cache, max_rows=step_tokens,
+                                  kept_keys_bytes=int(kept_keys_gib * (1 << 30)))
         loaded.model = None  # the runner holds its own (prepacked) weights; free transformers' copy
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
         self.scheduler = Scheduler(self.runner.pool, max_running, step_tokens)
@@ -44,6 +45,8 @@ class Engine(FrameHandler):
         self.tokens_since_stats = 0
         self.last_stats = time.monotonic()
         self.fingerprint = f"fp_{loaded.digest[:12]}_{ENGINE_BUILD}_f32_t{torch.get_num_threads()}"
+        self.memory = self.runner.memory()
+        log("memory: " + ", ".join(f"{k} {v / (1 << 30):.2f} GiB" for k, v in self.memory.items()))
 
     # ------------------------------------------------------------ I/O
     def ready(self) -> dict:
@@ -70,6 +73,7 @@ class Engine(FrameHandler):
                 "batch_invariant": True, "prefix_cache": self.runner.pool.prefix_cache,
             },
             "concurrency": self.scheduler.max_running,
+            "memory": self.memory,
         }
 
     def run(self) -> None:
@@ -99,7 +103,8 @@ class Engine(FrameHandler):
             "forward_passes": self.forward_passes, "prompt_tokens_computed": self.prompt_tokens_computed,
             "generated_tokens": self.generated_tokens, "preemptions": self.scheduler.preemptions,
             "prefix_query_tokens": self.scheduler.query_tokens, "prefix_hit_tokens": self.scheduler.hit_tokens,
-            "kv_blocks_used": self.runner.pool.used, "kv_blocks_total": self.runner.pool.num_blocks - 1})
+            "kv_blocks_used": self.runner.pool.used, "kv_blocks_total": self.runner.pool.num_blocks - 1,
+            "resident_bytes": resident_bytes()})
         self.tokens_since_stats = 0
         self.last_stats = now
 
@@ -278,12 +283,13 @@ class Engine(FrameHandler):
         })
 
 
-def keep_freed_memory() -> None:
+def keep_freed_memory(keep_bytes: int = 1 << 30) -> None:
     """glibc hands large freed blocks back to the kernel (munmap, heap trimming) and maps them
     anew for the next allocation, so a step's temporaries (MBs each) fault their pages in again
     every step, and how often depends on the allocation history: the same workload ran 8%
     slower in one engine than in another. Allocations below 32 MiB come from the heap, and
-    the heap is not trimmed below 1 GiB of free space. Glibc only; elsewhere nothing changes."""
+    the heap is not trimmed below `keep_bytes` of free space (--heap-keep-gib). Glibc only;
+    elsewhere nothing changes."""
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -291,7 +297,7 @@ def keep_freed_memory() -> None:
         return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, min(keep_bytes, 2**31 - 1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,9 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--kept-keys-gib", type=float, default=1.0)
+    ap.add_argument("--heap-keep-gib", type=float, default=1.0)
     args = ap.parse_args(argv)
 
-    keep_freed_memory()
+    keep_freed_memory(int(max(args.heap_keep_gib, 0) * (1 << 30)))
     out, inbox = open_pipe()
 
     from .loader import ModelNotFound, load
@@ -318,13 +326,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # a file transformers cannot read: say so plainly
         log(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}")
         os._exit(3)
-    if args.step_tokens < 1 or args.max_running < 1 or not args.kv_cache_gib > 0:
-        log("error: --step-tokens and --max-running must be positive, --kv-cache-gib above 0")
+    if (args.step_tokens < 1 or args.max_running < 1 or not args.kv_cache_gib > 0 or args.kept_keys_gib < 0
+            or args.heap_keep_gib < 0):
+        log("error: --step-tokens and --max-running must be positive, --kv-cache-gib above 0, "
+            "--kept-keys-gib and --heap-keep-gib at least 0")
         os._exit(3)
     try:
         engine = Engine(loaded, out, inbox, max_running=args.max_running, threads=args.threads or os.cpu_count(),
                         step_tokens=args.step_tokens, kv_cache_gib=args.kv_cache_gib,
-                        prefix_cache=not args.no_prefix_cache)
+                        prefix_cache=not args.no_prefix_cache, kept_keys_gib=args.kept_keys_gib)
     except UnsupportedModel as e:
         log(f"error: {e}")
         os._exit(3)

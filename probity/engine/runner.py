@@ -4,6 +4,7 @@ token is sampled from), in chunks of at most `head_rows` rows, so peak memory is
 flags and not by the request."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from .sequence import Sequence
 
 BLOCK_SIZE = 4
 PROBE_ROWS = 512              # attention's row floor is measured against calls at least this wide
-KEPT_KEYS_BYTES = 1 << 30     # at most this much of one decode group's gathered keys is kept between steps
+KEPT_KEYS_BYTES = 1 << 30     # default: at most this much of one decode group's gathered keys is kept between steps
 
 
 def row_bucket(n: int) -> int:
@@ -96,7 +97,7 @@ class SeqResult:
 class ModelRunner:
     def __init__(self, hf_model, threads: int | None = None, kv_cache_gib: float = 2.0,
                  head_rows: int = 128, num_blocks: int | None = None, prefix_cache: bool = True,
-                 max_rows: int = 512, calibration: Calibration | None = None):
+                 max_rows: int = 512, calibration: Calibration | None = None, kept_keys_bytes: int = KEPT_KEYS_BYTES):
         if threads:
             torch.set_num_threads(threads)
         cfg = hf_model.config
@@ -112,6 +113,7 @@ class ModelRunner:
         # each other (each gives every count from its floor the bits of a common wide call;
         # a budget of 3 rows alone would compare narrow calls only with narrow calls)
         self.max_rows = max_rows
+        self.kept_keys_bytes = kept_keys_bytes
         self.min_rows = calibration.attention(self.model.head_dim, self.model.group,
                                               row_buckets(max(max_rows, PROBE_ROWS)))
         calibration.save()
@@ -137,6 +139,19 @@ class ModelRunner:
         cfg_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kept_bytes_per_key = cfg.num_hidden_layers * cfg_kv * (2 * head_dim + 1) * 4
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds, by part (docs/engine.md, Memory)."""
+        m = self.model
+        lins = [m.head] + [x for l in m.layers for x in (l.qkv, l.o, l.gate_up, l.down)]
+        onednn = sum(_nbytes(lin.w) + _nbytes(lin.b) for lin in lins)
+        narrow_copy = sum(_nbytes(lin.packed) for lin in lins)
+        other = _nbytes(m.embed) + sum(_nbytes(t) for l in m.layers for t in (l.ln_in, l.ln_post, l.q_norm, l.k_norm))
+        return {"weights_onednn": onednn, "weights_narrow": narrow_copy, "weights_other": other,
+                "kv_pool": _nbytes(m.k_pool) + _nbytes(m.v_pool), "hidden_pool": _nbytes(m.h_pool),
+                "echo_cache": sum(_nbytes(t) for t in (self.echo.next, self.echo.width, self.echo.lp,
+                                                         self.echo.ids, self.echo.vals)),
+                "kept_keys_max": self.kept_keys_bytes, "resident": resident_bytes()}
 
     def _groups(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> list[AttnGroup]:
         """Sequences are attended together when their new rows fall in the same `row_bucket`
@@ -188,11 +203,11 @@ class ModelRunner:
     def _keep_decode_keys(self, groups: list[AttnGroup]) -> None:
         """Decoding sequences attend over keys gathered from the pool, and a gather is a copy of
         all of them every step. The largest decode group keeps its gathered keys (within
-        KEPT_KEYS_BYTES) and the next step writes only its new positions into them, as long as
+        --kept-keys-gib) and the next step writes only its new positions into them, as long as
         it holds the same sequences with the same key length and their tables have only grown."""
         decode = [g for g in groups if g.members is not None]
         g = max(decode, key=lambda g: g.items, default=None)
-        if g is None or g.items * g.nb * self.pool.block_size * self.kept_bytes_per_key > KEPT_KEYS_BYTES:
+        if g is None or g.items * g.nb * self.pool.block_size * self.kept_bytes_per_key > self.kept_keys_bytes:
             if self.kept is not None:
                 self.kept = None
                 self.model.drop_kept()
@@ -295,3 +310,21 @@ class ModelRunner:
         for r in results:  # cached entries and computed ones, in position order
             r.echo.sort(key=lambda e: e[0])
         return results
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    try:
+        return t.untyped_storage().nbytes()
+    except NotImplementedError:  # oneDNN's packed weight is opaque: its logical size (its layout may pad)
+        return t.numel() * t.element_size()
+
+
+def resident_bytes() -> int:
+    """This process's resident set (Linux), or 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

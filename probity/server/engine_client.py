@@ -386,4 +386,5 @@ class EngineClient:
     def health(self) -> dict:
         return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,
                 "in_flight": len(self.channels), "abandoned": len(self.abandoned), "stats": self.stats,
+                "memory": (self.ready_info or {}).get("memory"),
                 "pid": self.proc.pid if self.proc else None}

@@ -36,6 +36,7 @@ CODES: dict[str, tuple[int, str, str]] = {
     "internal_error": (500, "server_error", "api_error"),
     "engine_unavailable": (503, "server_error", "overloaded_error"),
     "engine_timeout": (503, "server_error", "overloaded_error"),
+    "too_many_connections": (503, "server_error", "overloaded_error"),
 }
 
 

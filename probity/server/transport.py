@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import APIError
@@ -76,3 +77,20 @@ class DeadlineH11Protocol(H11Protocol):
         waiting_for_head = self.cycle is None or self.cycle.response_complete
         if waiting_for_head and not self.transport.is_closing():
             self.transport.close()
+
+
+async def connection_limit_reached(scope, receive, send) -> None:
+    """What uvicorn runs instead of the app past --max-connections: the error envelope (its own
+    answer is a plain-text 503), in the Anthropic shape on /v1/messages."""
+    err = APIError("too_many_connections", "the server has --max-connections connections open; retry shortly",
+                   headers={"Retry-After": "1"})
+    body = err.anthropic_body() if scope.get("path", "").startswith("/v1/messages") else err.openai_body()
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+        (b"retry-after", b"1"), (b"x-request-id", f"req_{uuid.uuid4().hex}".encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+# uvicorn looks the function up in its h11 module at each refusal; this is the one place it is named.
+h11_impl.service_unavailable = connection_limit_reached
