@@ -229,6 +229,26 @@ def test_client_disconnect_aborts_the_vllm_request(vllm_server):
     assert complete(vllm_server, prompt="Hi", max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
+def test_metrics_on_the_vllm_backend(vllm_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = vllm_server.get("/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    before = scrape()
+    out = complete(vllm_server, prompt="Hello", max_tokens=5, temperature=0)
+    m = scrape()
+    key = ("probity_http_requests_total", (("route", "/v1/completions"), ("status", "200")))
+    assert m[key] == before.get(key, 0) + 1
+    assert m[("probity_engine_up", ())] == 1
+    got = ("probity_generation_tokens_total", ())
+    assert m[got] - before.get(got, 0) == out["usage"]["completion_tokens"]
+    assert m[("probity_engine_generated_tokens_total", ())] >= out["usage"]["completion_tokens"]
+    assert ("probity_kv_cache_usage_perc", ()) not in m  # vLLM's STATS has no block pool figures
+
+
 def test_zz_engine_dies_with_the_server(vllm_server):
     """Fail closed: SIGKILL the server alone (not its group); the vLLM engine child must not outlive it.
     Runs last in this module: it ends the module's server."""
@@ -345,23 +365,3 @@ def test_probity_vllm_python_env_var_names_the_interpreter(tmp_path):
     missing = tmp_path / "elsewhere" / "python"
     err = serve_exits(env={"PROBITY_VLLM_PYTHON": str(missing)})
     assert str(missing) in err and "make setup-vllm" in err
-
-
-def test_metrics_on_the_vllm_backend(vllm_server):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape() -> dict:
-        text = vllm_server.get("/metrics").text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-    before = scrape()
-    out = complete(vllm_server, prompt="Hello", max_tokens=5, temperature=0)
-    m = scrape()
-    key = ("probity_http_requests_total", (("route", "/v1/completions"), ("status", "200")))
-    assert m[key] == before.get(key, 0) + 1
-    assert m[("probity_engine_up", ())] == 1
-    got = ("probity_generation_tokens_total", ())
-    assert m[got] - before.get(got, 0) == out["usage"]["completion_tokens"]
-    assert m[("probity_engine_generated_tokens_total", ())] >= out["usage"]["completion_tokens"]
-    assert ("probity_kv_cache_usage_perc", ()) not in m  # vLLM's STATS has no block pool figures
