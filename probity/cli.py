@@ -8,6 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from .engine.flags import EngineFlags
+from .protocol import MAX_LOGPROBS
+
 ROOT = Path(__file__).resolve().parent.parent  # the folder holding the probity package
 
 
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (408 request_timeout)")
     s.add_argument("--max-body", type=int, default=4 * 1024 * 1024, help="request body cap in bytes (413 above)")
-    s.add_argument("--max-logprobs", type=int, default=32, help="largest accepted logprobs / top_logprobs")
+    s.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, help="largest accepted logprobs / top_logprobs")
     s.add_argument("--max-batch-members", type=int, default=128, help="prompt array member cap")
     s.add_argument("--batch-prompt-tokens", type=int, default=65536, help="prompt-token budget of one prompt array")
     s.add_argument("--batch-completion-tokens", type=int, default=65536,
@@ -57,19 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-response-mib", type=float, default=64.0,
                    help="engine output one non-streamed response may assemble (echo, logprobs tables); beyond it "
                         "400 response_too_large and the work is cancelled. Streamed responses are not bound by it")
-    s.add_argument("--max-running", type=int, default=64, help="sequences the engine runs at once")
-    s.add_argument("--threads", type=int, default=None, help="torch threads in the engine (default: every core)")
-    s.add_argument("--step-tokens", type=int, default=512,
-                   help="token rows in one forward pass: decodes plus prompt chunks (bounds step memory)")
-    s.add_argument("--kv-cache-gib", type=float, default=2.0,
-                   help="size of the preallocated KV block pool in GiB (the context window is capped to it)")
-    s.add_argument("--kept-keys-gib", type=float, default=1.0,
-                   help="the largest decode group's gathered keys kept between steps, at most (scratch; 0: none)")
-    s.add_argument("--heap-keep-gib", type=float, default=1.0,
-                   help="free heap the engine keeps mapped instead of returning it to the OS (glibc's trim "
-                        "threshold; a step's temporaries reuse it instead of faulting pages in again)")
-    s.add_argument("--no-prefix-cache", action="store_true",
-                   help="compute every prompt from scratch (the cache changes no number, only speed)")
+    EngineFlags.add_to(s)
     s.add_argument("--max-restarts", type=int, default=5,
                    help="engine crashes in a row (without a READY between) before the server stops restarting it")
     s.add_argument("--backend", choices=["probity", "vllm"], default="probity",
@@ -108,12 +99,13 @@ def main(argv: list[str] | None = None) -> None:
             resolve(args.model)
         except ModelNotFound as e:
             sys.exit(f"probity: {e}")
-    if args.kept_keys_gib < 0 or args.heap_keep_gib < 0:
-        sys.exit("probity: --kept-keys-gib and --heap-keep-gib must be at least 0")
+    flags = EngineFlags.from_args(args)
+    if flags.problem():
+        sys.exit(f"probity: {flags.problem()}")
     if not args.max_response_mib > 0:
         sys.exit("probity: --max-response-mib must be above 0")
-    if args.max_logprobs > 32 or args.max_logprobs < 0:
-        sys.exit("probity: --max-logprobs must be in [0, 32] (the engine's own limit)")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        sys.exit(f"probity: --max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's own limit)")
 
     import uvicorn
 
@@ -125,12 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         frame_timeout = float(os.environ.get("PROBITY_FRAME_TIMEOUT", "10"))
     except ValueError:
         sys.exit("probity: PROBITY_ACCEPT_TIMEOUT and PROBITY_FRAME_TIMEOUT must be numbers of seconds")
-    engine_args = ["--max-running", str(args.max_running), "--step-tokens", str(args.step_tokens),
-                   "--kv-cache-gib", str(args.kv_cache_gib)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
-    if args.backend != "vllm":  # probity's own engine's memory knobs
-        engine_args += ["--kept-keys-gib", str(args.kept_keys_gib), "--heap-keep-gib", str(args.heap_keep_gib)]
-    if args.threads:
-        engine_args += ["--threads", str(args.threads)]
+    engine_args = flags.argv(memory_knobs=args.backend != "vllm")
     if args.backend == "vllm":
         engine_command = vllm_command(args, engine_args)
     else:

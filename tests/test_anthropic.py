@@ -141,7 +141,7 @@ def test_a_template_that_cannot_continue_a_prefill_is_a_named_refusal(tiny_hf):
     so by name (BAD_REQUEST on the member, which the server reports as `messages`)."""
     import copy
 
-    from probity.engine.submit import Refusal, member_ids
+    from probity.engine.work import Refusal, member_ids
     from probity.engine.vocab import Vocab
 
     tok = copy.deepcopy(tiny_hf[1])

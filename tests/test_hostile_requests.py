@@ -3,6 +3,8 @@ sweep): each is answered or refused by name, and the engine keeps running, unres
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
 
 import httpx
 
@@ -160,15 +162,20 @@ def test_a_response_past_the_bound_is_refused_by_name_and_its_work_cancelled(one
 
 def test_tokenizer_routes_take_an_admission_slot(one_slot):
     body = {"model": TINY_ID, "prompt": "Hello", "max_tokens": 200, "stream": True, "logit_bias": {"2": -100}}
+    engine = one_slot.engine_pid()
     with httpx.stream("POST", one_slot.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         it = r.iter_text()
-        next(it)  # the one slot is taken
-        for path, payload in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [5, 6]}),
-                              ("/v1/messages/count_tokens", {"model": TINY_ID, "messages": [
-                                  {"role": "user", "content": "Hi"}]})):
-            q = one_slot.post(path, json=payload)
-            assert q.status_code == 429 and "queue" in q.text and q.headers["retry-after"], (path, q.text)
+        next(it)  # the one slot is taken ...
+        os.kill(engine, signal.SIGSTOP)  # ... and held: the stream cannot finish while the engine is stopped
+        try:
+            for path, payload in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [5, 6]}),
+                                  ("/v1/messages/count_tokens", {"model": TINY_ID, "messages": [
+                                      {"role": "user", "content": "Hi"}]})):
+                q = one_slot.post(path, json=payload)
+                assert q.status_code == 429 and "queue" in q.text and q.headers["retry-after"], (path, q.text)
+        finally:
+            os.kill(engine, signal.SIGCONT)
         "".join(it)
     assert one_slot.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
 

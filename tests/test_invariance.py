@@ -17,8 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from probity.engine.engine import BLOCK_SIZE as BS
+from probity.engine.kv_cache import BlockPool
 from probity.engine.model import Model
-from probity.engine.runner import BLOCK_SIZE as BS
 from probity.engine.runner import ModelRunner
 
 
@@ -35,7 +36,9 @@ class Harness:
 
     def __init__(self, hf_model, tokens: int = 8192):
         # + the zero block; a step of up to 1,024 rows (the longest chunk here is 700)
-        self.runner = ModelRunner(hf_model, num_blocks=-(-tokens // BS) + 1, max_rows=1024)
+        num_blocks = -(-tokens // BS) + 1
+        self.pool = BlockPool(num_blocks, BS)
+        self.runner = ModelRunner(hf_model, num_blocks, BS, max_rows=1024)
         self.vocab_size = self.runner.vocab_size
 
     def run(self, seqs: list[list[int]], plan: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -45,14 +48,14 @@ class Harness:
         for step in plan:
             batch = [(rows[i], n) for i, n in step]
             for r, n in batch:
-                self.runner.pool.grow(r.blocks, r.num_computed + n)
+                self.pool.grow(r.blocks, r.num_computed + n)
             hidden, starts = self.runner.forward(batch)
             logits = self.runner.model.logits(hidden)
             for (i, n), a in zip(step, starts):
                 out[i].append(logits[a:a + n])
                 rows[i].num_computed += n
         for r in rows:
-            self.runner.pool.release(r.blocks)
+            self.pool.release(r.blocks)
         return [torch.cat(o) for o in out]
 
 

@@ -186,7 +186,8 @@ def test_batched_draws_equal_one_row_at_a_time():
     import random
 
     from probity.engine.sampler import new_generator, sample, sample_many
-    from probity.engine.sequence import Request, Sampling
+    from probity.engine.core import Request
+    from probity.protocol import Sampling
 
     class Seq:
         def __init__(self, sampling, seed):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from probity.engine import sequence
-from probity.engine.sequence import StopText
+from probity.engine import stop_text as sequence
+from probity.engine.stop_text import StopText
 
 
 def reference(stops: list[bytes], tokens: list[bytes]) -> tuple[list[tuple[int, int | None]], bytes | None]:

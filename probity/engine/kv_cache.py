@@ -1,5 +1,5 @@
 """The KV block pool: fixed-size blocks preallocated once, handed to sequences as block tables,
-and the exact prefix cache over them.
+the exact prefix cache over them, and the echo cache beside them.
 
 A full block is content-addressed by the SHA-256 chain of its tokens (the parent block's digest
 and the block's token ids), so equal digests mean equal prefixes. A new sequence reuses the
@@ -12,6 +12,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+
+import torch
+
+from ..protocol import MAX_LOGPROBS
+from .sampler import with_chosen
 
 
 def chain(parent: bytes, tokens: list[int]) -> bytes:
@@ -107,3 +112,54 @@ class BlockPool:
         if self.prefix_cache and digest not in self.by_digest and block not in self.digest:
             self.by_digest[digest] = block
             self.digest[block] = digest
+
+
+class EchoCache:
+    """What echo reported at each pool position, kept beside its K/V: the next token the entry
+    is for, its logprob, and the top list (up to MAX_LOGPROBS ids and values) with its width.
+
+    An entry is the head over that position's final hidden state, so a sequence that reaches
+    the position through the prefix cache, with the same next token and a top table no wider,
+    gets the very floats a recomputation would give without running the head. Writing a
+    position's hidden state (a new owner of the block) voids its entry."""
+
+    BYTES_PER_TOKEN = 8 + 4 + 4 + MAX_LOGPROBS * 8
+
+    def __init__(self, slots: int):
+        self.next = torch.full((slots,), -1, dtype=torch.long)   # -1: no entry
+        self.width = torch.full((slots,), -1, dtype=torch.int32)  # -1: logprob only
+        self.lp = torch.zeros(slots)
+        self.ids = torch.zeros(slots, MAX_LOGPROBS, dtype=torch.int32)
+        self.vals = torch.zeros(slots, MAX_LOGPROBS)
+
+    def void(self, slots: torch.Tensor) -> None:
+        self.next[slots] = -1
+
+    def lookup(self, slots: list[int], targets: list[int], k: int | None) -> list[tuple[float, list | None] | None]:
+        st = torch.tensor(slots)
+        ok = (self.next[st] == torch.tensor(targets)) & (self.width[st] >= (-1 if k is None else k))
+        found = torch.nonzero(ok).flatten()
+        out: list = [None] * len(slots)
+        if not len(found):
+            return out
+        at = st[found]
+        vals = self.lp[at].tolist()
+        if k is None:
+            tables = [None] * len(vals)
+        else:
+            ids, tv = self.ids[at, :k].tolist(), self.vals[at, :k].tolist()
+            tables = [with_chosen(list(zip(i, v)), targets[j], val)
+                      for i, v, j, val in zip(ids, tv, found.tolist(), vals)]
+        for j, val, table in zip(found.tolist(), vals, tables):
+            out[j] = (val, table)
+        return out
+
+    def store(self, slots: list[int], targets: list[int], vals: list[float], k: int | None,
+              lists: list[list[tuple[int, float]]] | None) -> None:
+        st = torch.tensor(slots)
+        self.next[st] = torch.tensor(targets)
+        self.lp[st] = torch.tensor(vals)
+        self.width[st] = -1 if k is None else k
+        if k:
+            self.ids[st, :k] = torch.tensor([[i for i, _ in pairs] for pairs in lists], dtype=torch.int32)
+            self.vals[st, :k] = torch.tensor([[v for _, v in pairs] for pairs in lists])

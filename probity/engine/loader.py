@@ -11,13 +11,13 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .cache_dir import cache_dir
+from .log import log
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ID = "SmolLM2-135M-Instruct"
@@ -25,10 +25,6 @@ DEFAULT_ID = "SmolLM2-135M-Instruct"
 
 class ModelNotFound(Exception):
     pass
-
-
-def log(msg: str) -> None:
-    print(f"[probity engine] {msg}", file=sys.stderr, flush=True)
 
 
 def default_model_path() -> Path:

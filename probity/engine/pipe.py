@@ -6,11 +6,10 @@ import os
 import queue
 import sys
 import threading
-import traceback
 
 from .. import protocol as P
-from .loader import log
-from .submit import Refusal, run_op
+from .log import log
+from .work import Refusal
 
 
 class Writer:
@@ -37,13 +36,27 @@ class Writer:
                 os._exit(0)
 
 
+class Refused:
+    """An inbox item: a SUBMIT whose framing was sound but a field of which its schema refused.
+    The engine answers it with ERROR BAD_REQUEST naming the field; the pipe is still in step."""
+
+    def __init__(self, rid: int, refusal: Refusal):
+        self.id, self.refusal = rid, refusal
+
+
 def read_loop(stream, inbox: queue.Queue, out: Writer) -> None:
     """Reader thread: frames into the inbox. EOF on stdin means the server is gone: exit now,
     even in the middle of loading or of a forward pass."""
     reader = P.SyncReader(stream, "server")
     try:
         while True:
-            frame = reader.read()
+            try:
+                frame = reader.read()
+            except P.SchemaError as e:
+                if e.kind != "SUBMIT":
+                    raise
+                inbox.put(Refused(e.id, Refusal.bad_field(e)))
+                continue
             if frame is None:
                 os._exit(0)
             inbox.put(frame)
@@ -67,60 +80,3 @@ def open_pipe() -> tuple[Writer, queue.Queue]:
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=read_loop, args=(stdin, inbox, out), daemon=True).start()
     return out, inbox
-
-
-class FrameHandler:
-    """What every engine backend does with the frames it reads, whatever runs its forwards:
-    SUBMIT (a generation, or a tokenizer op answered at once), CANCEL and SHUTDOWN, and a named
-    ERROR for a request refused before it was accepted. A backend provides `out`, `inbox`,
-    `requests`, `vocab`, `shutting_down`, `start_generate(rid, payload)` and `cancel(rid)`."""
-
-    def poll(self) -> None:
-        while True:
-            try:
-                frame = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self.handle(frame)
-
-    def handle(self, frame: P.Frame) -> None:
-        if frame.kind == "SUBMIT":
-            self.submit(frame.id, frame.payload)
-        elif frame.kind == "CANCEL":
-            self.cancel(frame.id)
-        elif frame.kind == "SHUTDOWN":
-            self.shutting_down = True
-
-    def refuse(self, rid: int, r: Refusal) -> None:
-        payload = {"code": r.code, "message": r.message[:8000]}
-        if r.param:
-            payload["param"] = r.param
-        if r.member is not None:
-            payload["member"] = r.member
-        self.out.send("ERROR", rid, payload)
-
-    def submit(self, rid: int, p: dict) -> None:
-        if rid == 0 or rid in self.requests:
-            self.refuse(rid, Refusal("BAD_REQUEST", "request id 0 or already in use", "id"))
-            return
-        if self.shutting_down:
-            self.refuse(rid, Refusal("OVERLOADED", "engine is shutting down"))
-            return
-        try:
-            if p["op"] == "generate":
-                self.start_generate(rid, p)
-            else:
-                result = run_op(p["op"], p, self.vocab)
-                try:  # encoded before anything is sent: an answer too big for DONE is refused by name
-                    done = P.encode("DONE", rid, {"result": result})
-                except P.FrameTooLarge:
-                    raise Refusal("TOO_LARGE", "the answer would exceed the pipe's 16 MiB bound for one result",
-                                  "ids" if p["op"] == "detokenize" else "members[0]",
-                                  None if p["op"] == "detokenize" else 0) from None
-                self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": result.get("count", 0), "cached_tokens": 0}]})
-                self.out.send_encoded(done)
-        except Refusal as r:
-            self.refuse(rid, r)
-        except Exception as e:
-            log(f"request {rid} failed before acceptance: {traceback.format_exc()}")
-            self.refuse(rid, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))

@@ -9,16 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import BlockPool
-from .loader import log
 from . import narrow
 from .calibration import Calibration
+from .kv_cache import EchoCache
+from .log import log
 from .model import KEY_ALIGN, AttnGroup, Model
-from ..protocol import MAX_LOGPROBS
 from .sampler import top_lists, with_chosen
 from .sequence import Sequence
 
-BLOCK_SIZE = 4
 PROBE_ROWS = 512              # attention's row floor is measured against calls at least this wide
 KEPT_KEYS_BYTES = 1 << 30     # default: at most this much of one decode group's gathered keys is kept between steps
 
@@ -35,57 +33,6 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({row_bucket(n) for n in range(1, max_rows + 1)})
 
 
-class EchoCache:
-    """What echo reported at each pool position, kept beside its K/V: the next token the entry
-    is for, its logprob, and the top list (up to MAX_LOGPROBS ids and values) with its width.
-
-    An entry is the head over that position's final hidden state, so a sequence that reaches
-    the position through the prefix cache, with the same next token and a top table no wider,
-    gets the very floats a recomputation would give without running the head. Writing a
-    position's hidden state (a new owner of the block) voids its entry."""
-
-    BYTES_PER_TOKEN = 8 + 4 + 4 + MAX_LOGPROBS * 8
-
-    def __init__(self, slots: int):
-        self.next = torch.full((slots,), -1, dtype=torch.long)   # -1: no entry
-        self.width = torch.full((slots,), -1, dtype=torch.int32)  # -1: logprob only
-        self.lp = torch.zeros(slots)
-        self.ids = torch.zeros(slots, MAX_LOGPROBS, dtype=torch.int32)
-        self.vals = torch.zeros(slots, MAX_LOGPROBS)
-
-    def void(self, slots: torch.Tensor) -> None:
-        self.next[slots] = -1
-
-    def lookup(self, slots: list[int], targets: list[int], k: int | None) -> list[tuple[float, list | None] | None]:
-        st = torch.tensor(slots)
-        ok = (self.next[st] == torch.tensor(targets)) & (self.width[st] >= (-1 if k is None else k))
-        found = torch.nonzero(ok).flatten()
-        out: list = [None] * len(slots)
-        if not len(found):
-            return out
-        at = st[found]
-        vals = self.lp[at].tolist()
-        if k is None:
-            tables = [None] * len(vals)
-        else:
-            ids, tv = self.ids[at, :k].tolist(), self.vals[at, :k].tolist()
-            tables = [with_chosen(list(zip(i, v)), targets[j], val)
-                      for i, v, j, val in zip(ids, tv, found.tolist(), vals)]
-        for j, val, table in zip(found.tolist(), vals, tables):
-            out[j] = (val, table)
-        return out
-
-    def store(self, slots: list[int], targets: list[int], vals: list[float], k: int | None,
-              lists: list[list[tuple[int, float]]] | None) -> None:
-        st = torch.tensor(slots)
-        self.next[st] = torch.tensor(targets)
-        self.lp[st] = torch.tensor(vals)
-        self.width[st] = -1 if k is None else k
-        if k:
-            self.ids[st, :k] = torch.tensor([[i for i, _ in pairs] for pairs in lists], dtype=torch.int32)
-            self.vals[st, :k] = torch.tensor([[v for _, v in pairs] for pairs in lists])
-
-
 @dataclass
 class SeqResult:
     """What one step produced for one sequence."""
@@ -94,19 +41,24 @@ class SeqResult:
     lp: torch.Tensor | None = None       # its log-softmax
 
 
+def kv_blocks(cfg, gib: float, block_size: int) -> int:
+    """Blocks of `block_size` positions that `gib` of KV pool holds (with each position's hidden
+    state and echo entry), at least two: block 0 pads tables."""
+    per_block = (Model.bytes_per_token(cfg) + EchoCache.BYTES_PER_TOKEN) * block_size
+    return max(2, int(gib * (1 << 30)) // per_block + 1)
+
+
 class ModelRunner:
-    def __init__(self, hf_model, threads: int | None = None, kv_cache_gib: float = 2.0,
-                 head_rows: int = 128, num_blocks: int | None = None, prefix_cache: bool = True,
-                 max_rows: int = 512, calibration: Calibration | None = None, kept_keys_bytes: int = KEPT_KEYS_BYTES):
+    def __init__(self, hf_model, num_blocks: int, block_size: int, threads: int | None = None,
+                 head_rows: int = 128, max_rows: int = 512, calibration: Calibration | None = None,
+                 kept_keys_bytes: int = KEPT_KEYS_BYTES):
         if threads:
             torch.set_num_threads(threads)
         cfg = hf_model.config
-        per_block = (Model.bytes_per_token(cfg) + EchoCache.BYTES_PER_TOKEN) * BLOCK_SIZE
-        num_blocks = num_blocks or max(2, int(kv_cache_gib * (1 << 30)) // per_block + 1)
-        self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_cache)
+        self.block_size = block_size
         calibration = calibration or Calibration.default()
-        self.model = Model(hf_model, num_blocks, BLOCK_SIZE, calibration)
-        self.echo = EchoCache(num_blocks * BLOCK_SIZE)
+        self.model = Model(hf_model, num_blocks, block_size, calibration)
+        self.echo = EchoCache(num_blocks * block_size)
         # an item's attention rows: its new rows' row_bucket, at least `min_rows`, measured on
         # this CPU's kernels for every bucket a step of up to `max_rows` rows can use. The
         # buckets measured always reach PROBE_ROWS, so engines with any step budget agree with
@@ -130,15 +82,18 @@ class ModelRunner:
         window = getattr(cfg, "sliding_window", None)
         if isinstance(window, int) and window > 0:
             ctx = min(ctx, window)  # within the window, sliding attention is full attention
-        self.context_length = min(ctx, self.pool.capacity_tokens)
+        self.context_length = ctx
         self.head_rows = head_rows
-        self.align = KEY_ALIGN // BLOCK_SIZE
+        self.align = KEY_ALIGN // block_size
         # the decode group whose gathered keys the model keeps: its sequences (held, so their
         # identity cannot be reused), key blocks and block tables
         self.kept: tuple[list, int, list[list[int]]] | None = None
         cfg_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kept_bytes_per_key = cfg.num_hidden_layers * cfg_kv * (2 * head_dim + 1) * 4
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
     def memory(self) -> dict[str, int]:
         """Bytes the engine holds, by part (docs/engine.md, Memory)."""
@@ -158,12 +113,12 @@ class ModelRunner:
         and their key blocks in the same power-of-two bucket (decodes: one row each), so a step
         runs a few batched attention GEMMs instead of one per sequence. Grouping and padding
         change no bit: every row is computed the same way whatever its companions."""
-        bs = self.pool.block_size
+        bs = self.block_size
         # narrow attention GEMMs may take another kernel: every item gets at least min_rows
         # rows (grouped-query heads count as GEMM rows), measured at startup
         assert all(n <= self.max_rows for _, n in batch), "a step's rows exceed the measured buckets"
         # each sequence's key blocks after this step, aligned to whole KEY_ALIGN slices
-        nbs = [-(-self.pool.blocks_for(seq.num_computed + n) // self.align) * self.align for seq, n in batch]
+        nbs = [-(-self.blocks_for(seq.num_computed + n) // self.align) * self.align for seq, n in batch]
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, ((seq, n), nb) in enumerate(zip(batch, nbs)):
             rows = max(self.min_rows, row_bucket(n))
@@ -179,7 +134,7 @@ class ModelRunner:
                 qpos.append([a + min(r, n - 1) for r in range(rows)])
                 dest += range(starts[i], starts[i] + n)
                 keep += range(j * rows, j * rows + n)
-                used = seq.blocks[: self.pool.blocks_for(a + n)]
+                used = seq.blocks[: self.blocks_for(a + n)]
                 blocks += used + [0] * (nb - len(used))
             # keys before the group's earliest query position are visible to all its rows: the
             # slices of KEY_ALIGN keys before it are not masked. The mask is laid out as the
@@ -207,13 +162,13 @@ class ModelRunner:
         it holds the same sequences with the same key length and their tables have only grown."""
         decode = [g for g in groups if g.members is not None]
         g = max(decode, key=lambda g: g.items, default=None)
-        if g is None or g.items * g.nb * self.pool.block_size * self.kept_bytes_per_key > self.kept_keys_bytes:
+        if g is None or g.items * g.nb * self.block_size * self.kept_bytes_per_key > self.kept_keys_bytes:
             if self.kept is not None:
                 self.kept = None
                 self.model.drop_kept()
             return
-        bs = self.pool.block_size
-        tables = [seq.blocks[: self.pool.blocks_for(seq.num_computed + 1)] for seq in g.members]
+        bs = self.block_size
+        tables = [seq.blocks[: self.blocks_for(seq.num_computed + 1)] for seq in g.members]
         old = self.kept
         if (old is not None and old[1] == g.nb and len(old[0]) == len(g.members)
                 and all(a is b for a, b in zip(old[0], g.members))
@@ -230,7 +185,7 @@ class ModelRunner:
         """The final hidden rows of every sequence's next `n` positions (whose blocks the
         scheduler has allocated), and where each sequence's rows start."""
         tokens, positions, slots, starts = [], [], [], []
-        bs = self.pool.block_size
+        bs = self.block_size
         for seq, n in batch:
             starts.append(len(tokens))
             a = seq.num_computed
@@ -251,7 +206,7 @@ class ModelRunner:
         # which rows need the head: (row, seq index, kind, position, slot). Echo rows come from
         # the pool of final hidden states, so positions served by the prefix cache have theirs;
         # positions whose entry the echo cache holds need no head at all.
-        bs = self.pool.block_size
+        bs = self.block_size
         results = [SeqResult() for _ in batch]
         wanted: list[tuple[int, int, str, int, int]] = []
         echo_slots = []

@@ -10,11 +10,8 @@ import struct
 import numpy as np
 import torch
 
-from .sequence import Sampling, Sequence, choice_seed
-
-
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1)
+from ..protocol import Sampling, choice_seed
+from .sequence import Sequence
 
 
 def top_tables(lp: torch.Tensor, chosen: list[int], k: int) -> list[list[tuple[int, float]]]:
@@ -59,10 +56,6 @@ def with_chosen(pairs: list[tuple[int, float]], chosen: int, value: float) -> li
     if any(i == chosen for i, _ in pairs):
         return list(pairs)
     return sorted([*pairs, (chosen, value)], key=lambda p: (-p[1], p[0]))
-
-
-def chosen_logprobs(lp: torch.Tensor, chosen: list[int]) -> list[float]:
-    return lp[torch.arange(lp.shape[0]), torch.tensor(chosen)].tolist()
 
 
 def sample(logits: torch.Tensor, seq: Sequence) -> int:

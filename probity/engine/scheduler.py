@@ -5,18 +5,23 @@ that is decoding, then prompt chunks of running sequences still in prefill, then
 sequences from the waiting queue (FIFO) while there is room. When the KV pool cannot hold a
 sequence's next tokens, the most recently admitted running sequence is preempted: its blocks
 are freed and it waits to be recomputed from scratch (batch invariance makes the recomputed
-numbers identical)."""
+numbers identical).
+
+The scheduler owns the block pool: it hands out blocks, offers filled ones to the prefix
+cache, and advances each sequence past the rows a step ran (`postprocess`)."""
 from __future__ import annotations
 
 from collections import deque
 
+from .core import Request
 from .kv_cache import BlockPool, chain
-from .sequence import Request, Sequence, Status
+from .sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_running: int, step_tokens: int):
-        self.pool = pool
+    def __init__(self, num_blocks: int, block_size: int, max_running: int, step_tokens: int,
+                 prefix_cache: bool = True):
+        self.pool = BlockPool(num_blocks, block_size, prefix_cache)
         self.max_running = max_running
         self.step_tokens = step_tokens
         self.waiting: deque[Sequence] = deque()
@@ -31,6 +36,15 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def prompt_digests(self, prompt: list[int]) -> list[bytes]:
+        """The prefix-cache chain of a prompt's full blocks, as admission looks them up (at least
+        one row is always run, so the last position's block is left out)."""
+        return self.pool.digests(prompt, len(prompt) - 1)
+
+    def cached_tokens(self, prompt: list[int], digests: list[bytes]) -> int:
+        """What the prefix cache holds of this prompt now."""
+        return min(self.pool.cached_prefix(digests) * self.pool.block_size, len(prompt))
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.step_tokens
@@ -108,7 +122,19 @@ class Scheduler:
         for j in range(seq.registered, full):
             inflight.setdefault(seq.digests[j], seq.blocks[j])
 
-    def register(self, seq: Sequence) -> None:
+    def postprocess(self, batch: list[tuple[Sequence, int]]) -> int:
+        """After the step's forward: each sequence has its next n positions in the pool, and
+        the blocks they filled are offered to the prefix cache. Returns the prompt positions
+        the step computed."""
+        prompt_rows = 0
+        for seq, n in batch:
+            if seq.num_computed < len(seq.prompt):
+                prompt_rows += min(n, len(seq.prompt) - seq.num_computed)
+            seq.num_computed += n
+            self._register(seq)
+        return prompt_rows
+
+    def _register(self, seq: Sequence) -> None:
         """Offer the sequence's newly filled blocks to the prefix cache."""
         bs = self.pool.block_size
         full = seq.num_computed // bs
@@ -137,6 +163,6 @@ class Scheduler:
         self.pool.release(seq.blocks)
 
     def drop(self, req: Request) -> None:
-        for seq in req.sequences:
+        for seq in req.choices:
             if seq.status is not Status.FINISHED:
                 self.finish(seq)

@@ -1,11 +1,13 @@
-"""A request's state in the engine, and the state of each sequence (one member x one choice)."""
+"""A choice as probity's engine runs it: its place in the scheduler and in the KV pool, its
+sampling stream and its penalty counts."""
 from __future__ import annotations
 
-import collections
 import enum
-import functools
-import time
 from dataclasses import dataclass, field
+
+import torch
+
+from .core import Choice
 
 
 class Status(enum.Enum):
@@ -14,163 +16,15 @@ class Status(enum.Enum):
     FINISHED = 3
 
 
-@dataclass
-class Sampling:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None   # k alternatives (plus the chosen token), or None for no tables
-    echo: bool = False
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """The seed of choice `choice` of n: choice 0 uses the seed itself, so n=1 and the first of n
-    choices agree; the others are spread by the golden-ratio constant. In [0, 2^64)."""
-    return (seed + choice * 0x9E3779B97F4A7C15) % 2**64
-
-
-@dataclass
-class Request:
-    id: int
-    sampling: Sampling
-    prompts: list[list[int]]
-    sequences: list["Sequence"] = field(default_factory=list)
-    t_submit: float = field(default_factory=time.monotonic)
-    t_first_forward: float | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    cancelled: bool = False
-    echo_pending: set = field(default_factory=set)  # members whose echo is not yet all sent
-
-    @property
-    def finished(self) -> bool:
-        return all(s.status is Status.FINISHED for s in self.sequences)
-
-
-@functools.lru_cache(maxsize=256)
-def _failure(pat: bytes) -> tuple[int, ...]:
-    """KMP's failure function: fail[i] is the length of the longest proper prefix of
-    pat[:i+1] that is also its suffix. Cached: a client that repeats its stop strings pays once."""
-    fail = [0] * len(pat)
-    k = 0
-    for i in range(1, len(pat)):
-        c = pat[i]
-        while k and pat[k] != c:
-            k = fail[k - 1]
-        if pat[k] == c:
-            k += 1
-        fail[i] = k
-    return tuple(fail)
-
-
-class _Matcher:
-    """One stop string's streaming matcher: `state` is the length of the longest prefix of
-    the stop string that ends the bytes fed so far, advanced byte by byte (amortized O(1)
-    each), so nothing already seen is looked at again."""
-    __slots__ = ("text", "pat", "fail", "state")
-
-    def __init__(self, text: str):
-        self.text = text
-        self.pat = text.encode()
-        self.fail = _failure(self.pat)
-        self.state = 0
-
-    def feed(self, data: bytes) -> int:
-        """Advance over data; the offset in data just past the first complete match, or -1."""
-        pat, fail, k, n = self.pat, self.fail, self.state, len(self.pat)
-        for j, c in enumerate(data):
-            while k and pat[k] != c:
-                k = fail[k - 1]
-            if pat[k] == c:
-                k += 1
-                if k == n:
-                    self.state = k
-                    return j + 1
-        self.state = k
-        return -1
-
-
-class StopText:
-    """Holds back generated tokens until it is certain they are not part of a stop string.
-
-    Matching runs on the generated UTF-8 bytes, which is exact for any valid stop string
-    (UTF-8 is self-synchronizing). When a stop string matches, tokens wholly before it are
-    released, a token that runs into it is released with `keep` = the bytes before the stop,
-    and the rest is dropped. Of several stop strings matching in one token, the one starting
-    first wins. The work per token is linear in its bytes times the number of stop strings,
-    whatever their length and however long the text has grown: no byte is searched twice.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.matchers = [_Matcher(s) for s in stops]
-        self.size = 0  # bytes seen so far
-        self.pending: collections.deque[tuple[dict, int, int]] = collections.deque()  # (entry, start, end)
-
-    def push(self, entry: dict, data: bytes) -> tuple[list[dict], str | None]:
-        """Add one token; returns (entries released, matched stop string or None)."""
-        start = self.size
-        self.size += len(data)
-        self.pending.append((entry, start, self.size))
-        if not self.matchers:
-            return self.flush(), None
-        hit: tuple[int, str] | None = None
-        for m in self.matchers:
-            end = m.feed(data)
-            if end >= 0:
-                p = start + end - len(m.pat)
-                if hit is None or p < hit[0]:
-                    hit = (p, m.text)
-        if hit is not None:
-            return self._cut(hit[0]), hit[1]
-        safe = self.size - max(m.state for m in self.matchers)
-        out = []
-        while self.pending and self.pending[0][2] <= safe:
-            out.append(self.pending.popleft()[0])
-        return out, None
-
-    def _cut(self, p: int) -> list[dict]:
-        out = []
-        for entry, start, end in self.pending:
-            if end <= p:
-                out.append(entry)
-            elif start < p:
-                out.append({**entry, "keep": p - start})
-        self.pending.clear()
-        return out
-
-    def flush(self) -> list[dict]:
-        out = [e for e, _, _ in self.pending]
-        self.pending.clear()
-        return out
-
-
-@dataclass
-class Sequence:
-    request: Request
-    member: int
-    choice: int
-    prompt: list[int]
-    generator: object  # torch.Generator
-    stop_text: StopText
-    out: list[int] = field(default_factory=list)
+@dataclass(eq=False, kw_only=True)
+class Sequence(Choice):
+    generator: torch.Generator
     status: Status = Status.WAITING
     blocks: list[int] = field(default_factory=list)  # KV block table
     num_computed: int = 0         # leading positions whose K/V are in the pool
-    echo_next: int = 0            # next prompt position whose echo entry is owed (echo choice only)
     digests: list = field(default_factory=list)  # prefix-cache chain digests of its full blocks
     registered: int = 0           # leading blocks offered to the prefix cache
-    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
-    held: list = field(default_factory=list)  # tokens waiting for the member's echo to finish
-    finish_reason: str | None = None
-    stop_matched: str | None = None
-    counts: object = None         # per-token counts of generated ids (penalties)
+    counts: torch.Tensor | None = None  # per-token counts of generated ids (penalties)
 
     @property
     def tokens(self) -> list[int]:
@@ -182,5 +36,7 @@ class Sequence:
         return len(self.prompt) + len(self.out) - self.num_computed
 
     @property
-    def done_budget(self) -> bool:
-        return len(self.out) >= self.request.sampling.max_tokens
+    def echo_next(self) -> int:
+        """The next prompt position whose echo entry this sequence owes, or 0 for none (the
+        choice 0 of a member with echo carries it; position 0 is sent at acceptance)."""
+        return self.request.echo_next.get(self.member, 0) if self.choice == 0 else 0

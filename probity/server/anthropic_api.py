@@ -6,13 +6,21 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from starlette.responses import JSONResponse, StreamingResponse
+from typing import TYPE_CHECKING
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .. import protocol as P
+from ..protocol import Sampling
 from .assembly import TextBuilder, build_pieces
+from .capabilities import check_capabilities
 from .errors import APIError
-from .generation import Generation, check_capabilities, member_param, run_op, until_disconnect
-from .validation import (Sampling, _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages,
-                         text_content)
+from .generation import Generation, Source, run_op
+from .validation import _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages, text_content
+
+if TYPE_CHECKING:
+    from .app import Service
 
 
 PING_EVERY = 10.0  # seconds without an event before a ping keeps the stream alive
@@ -56,15 +64,15 @@ def parse_messages_request(body: dict, served: str, vocab_size: int) -> Messages
     model = _model(body, served)
     if body.get("max_tokens") is None:
         raise APIError("missing_required_parameter", "'max_tokens' is required", "max_tokens")
-    s = Sampling()
-    s.max_tokens = _integer(body, "max_tokens", None, 1, 1 << 24)
+    max_tokens = _integer(body, "max_tokens", None, 1, P.MAX_TOKENS)
     messages = _messages_and_system(body)
     if body.get("stop_sequences") is not None and type(body["stop_sequences"]) is not list:
         raise _type("stop_sequences", "an array of strings")
-    s.stop = _stop(body, "stop_sequences")
-    s.temperature = _number(body, "temperature", 1.0, 0.0, 1.0)
-    s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    s.top_k = _integer(body, "top_k", 0, 0, vocab_size)
+    s = Sampling(max_tokens=max_tokens, stop=tuple(_stop(body, "stop_sequences")),
+                 # Anthropic's own range: [0, 1]
+                 temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
+                 top_p=_number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
+                 top_k=_integer(body, "top_k", 0, 0, vocab_size))
     stream = _bool(body, "stream", False)
     meta = body.get("metadata")
     if meta is not None:
@@ -92,31 +100,24 @@ def _stop_reason(c: dict) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-async def messages(svc, request, body: dict):
+async def messages(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     m = info["model"]
     req = parse_messages_request(body, m["id"], m["vocab_size"])
     check_capabilities(info, chat=True)
-    payload = {"op": "generate", "members": [{"messages": req.messages}], **req.sampling.wire()}
-    gen = Generation(svc, request, payload, 1, 1, False)
-    try:
-        await until_disconnect(request, gen.start())
-    except APIError as e:
-        raise member_param(e, "messages", False)
+    gen = Generation(svc, request, P.generate_payload([{"messages": req.messages}], req.sampling), Source("messages"))
+    await gen.start()
     msg_id = f"msg_{uuid.uuid4().hex}"
-    headers = {"x-queue-wait-ms": f"{gen.queue_s * 1000:.1f}"}
     if req.stream:
-        return StreamingResponse(stream_message(gen, msg_id, m["id"]), media_type="text/event-stream", headers=headers)
-    try:
-        out = await until_disconnect(request, gen.collect())
-    finally:
-        gen.close()
+        return gen.streaming(stream_message(gen, msg_id, m["id"]), msg_id,
+                             lambda e: event("error", {"type": "error", "error": e.anthropic_body()["error"]}))
+    out = await gen.collect()
     pieces = build_pieces(out.tokens.get((0, 0), []))
     reason, seq = _stop_reason(out.done["choices"][0])
     return JSONResponse({
         "id": msg_id, "type": "message", "role": "assistant", "model": m["id"],
         "content": [{"type": "text", "text": "".join(p.text for p in pieces)}],
-        "stop_reason": reason, "stop_sequence": seq, "usage": _usage(out.done)}, headers=headers)
+        "stop_reason": reason, "stop_sequence": seq, "usage": _usage(out.done)}, headers=gen.headers)
 
 
 def event(name: str, data: dict) -> bytes:
@@ -167,24 +168,17 @@ async def stream_message(gen: Generation, msg_id: str, model: str):
                                               "usage": {"output_tokens": f.payload["usage"]["completion_tokens"]}})
                 yield event("message_stop", {"type": "message_stop"})
                 return
-    except APIError as e:
-        gen.log_stream_failure(msg_id, e)
-        yield event("error", {"type": "error", "error": e.anthropic_body()["error"]})
     finally:
         if nxt is not None and not nxt.done():
             nxt.cancel()
-        gen.close()
 
 
-async def count_tokens(svc, request, body: dict):
+async def count_tokens(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     _check_keys(body, COUNT_TOKENS_FIELDS, {k: MESSAGE_REFUSED[k] for k in ("tools", "tool_choice", "thinking")})
     _model(body, info["model"]["id"])
     check_capabilities(info, chat=True)
-    try:
-        # only the count comes back: no ids cross the pipe, so no text is too long to count
-        result = await run_op(svc, request, {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}],
-                                             "add_special_tokens": False, "count_only": True})
-    except APIError as e:
-        raise member_param(e, "messages", False)
+    # only the count comes back: no ids cross the pipe, so no text is too long to count
+    result = await run_op(svc, request, {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}],
+                                         "add_special_tokens": False, "count_only": True}, Source("messages"))
     return {"input_tokens": result["count"]}

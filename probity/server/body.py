@@ -4,11 +4,11 @@ hostile bytes are refused once, by name, before any validation or engine work.""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 from starlette.requests import Request
 
+from ..protocol import strict_json
 from .errors import APIError
 
 MAX_DEPTH = 64  # nesting levels of arrays/objects; the deepest real body (messages[i].content[j]) has 4
@@ -44,10 +44,10 @@ async def read_json(request: Request, cap: int, deadline: float = 30.0) -> dict:
 def parse(raw: bytes) -> dict:
     """Strict JSON (no NaN/Infinity, no duplicate keys) holding a JSON object of text."""
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants, object_pairs_hook=_unique_keys)
+        body = strict_json.loads(raw)
     except UnicodeDecodeError:
         raise APIError("invalid_json", "the request body is not valid UTF-8") from None
-    except RecursionError:
+    except strict_json.TooDeep:
         raise APIError("invalid_body", f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:
         raise APIError("invalid_json", f"the request body is not valid JSON: {e}") from None
@@ -95,16 +95,3 @@ def _check_media_type(content_type: str | None) -> None:
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         raise APIError("unsupported_media_type",
                        f"the request body must be application/json, not {media or 'an empty type'!r}")
-
-
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k.encode('utf-8', 'backslashreplace').decode()!r}")
-        out[k] = v
-    return out

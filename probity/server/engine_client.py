@@ -114,9 +114,7 @@ class Channel:
 
 def engine_error_to_api(p: dict) -> APIError:
     code = ENGINE_CODE_MAP.get(p["code"], "engine_error")
-    err = APIError(code, p["message"], p.get("param"))
-    err.member = p.get("member")  # type: ignore[attr-defined]
-    return err
+    return APIError(code, p["message"], p.get("param"), member=p.get("member"))
 
 
 class EngineClient:

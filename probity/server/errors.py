@@ -47,7 +47,7 @@ def _text(s: str | None) -> str | None:
 
 class APIError(Exception):
     def __init__(self, code: str, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, member: int | None = None):
         if code not in CODES:
             raise ValueError(f"undocumented error code {code}")
         message, param = _text(message), _text(param)
@@ -56,6 +56,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.headers = headers or {}
+        self.member = member  # the prompt-array member an engine refusal names (its param is then prompt[member])
 
     @property
     def status(self) -> int:

@@ -1,20 +1,24 @@
-"""One generate request's life on the server: admission, SUBMIT, ACCEPT, frames, release.
-
-Shared by every endpoint so that the commit point (the engine's ACCEPT), cancellation on
-disconnect and slot release are the same everywhere.
-"""
+"""One engine request's life on the server, written once for every endpoint: a slot in the
+admission queue, SUBMIT, the engine's ACCEPT (the commit point: nothing is sent to the
+client before it), then its frames streamed or collected, and release on every exit path —
+an answer, a refusal, a failure, or a client that hangs up."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
+from ..protocol import Frame
 from .engine_client import Channel
 from .errors import APIError
 
+if TYPE_CHECKING:
+    from .app import Service
 
 log = logging.getLogger("probity.server")
 
@@ -33,11 +37,28 @@ class Outcome:
     size: int = 0  # frame payload bytes
 
 
+@dataclass(frozen=True)
+class Source:
+    """The request field the SUBMIT's members came from, so an engine refusal that names
+    `members[i]` (or a detokenize's `ids`) names the client's own field."""
+    param: str                 # "prompt", "messages", "tokens"
+    is_array: bool = False     # a prompt array: a member's refusal names prompt[i]
+
+    def attribute(self, err: APIError) -> APIError:
+        if err.param and (err.param.startswith("members") or err.param in ("max_prompt_tokens", "ids")):
+            err.param = (f"{self.param}[{err.member}]" if self.is_array and err.member is not None
+                         else self.param)
+        return err
+
+
 class Generation:
-    def __init__(self, svc, request: Request, payload: dict, members: int, choices: int, echo: bool):
+    def __init__(self, svc: "Service", request: Request, payload: dict, source: Source, members: int = 1,
+                 choices: int = 1, echo: bool = False):
         self.svc = svc
+        self.request = request
         self.request_id = request.state.request_id
         self.payload = payload
+        self.source = source
         self.members = members
         self.choices = choices
         self.echo = echo
@@ -49,52 +70,63 @@ class Generation:
         self.token_span: dict[tuple[int, int], list[float]] = {}  # (member, choice) -> [first, last] arrival
         self._slot = False
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"x-queue-wait-ms": f"{self.queue_s * 1000:.1f}"}
+
     async def start(self) -> dict:
-        """Wait for a slot, submit, and wait for the engine's ACCEPT. Raises a named error;
-        after a raise (or a cancel, when the client leaves while queued) nothing of this
-        request is left anywhere. Callers run it under `until_disconnect`."""
-        svc = self.svc
+        """Wait for a slot, submit, and wait for the engine's ACCEPT (its payload). Raises a
+        named error, or ClientGone; after a raise nothing of this request is left anywhere."""
         try:
-            deadline = asyncio.get_running_loop().time() + svc.admission.timeout
-            await svc.admission.acquire()
-            self._slot = True
-            # A request that arrives while the engine restarts waits for it, within the
-            # queue's timeout, instead of being refused: a restart is part of the design.
-            await svc.engine.wait_up(deadline)
-            self.queue_s = time.monotonic() - self.t0
-            self.ch = await svc.engine.submit(self.payload, self.members, self.choices, self.echo)
-            self.accept = await self.ch.wait_accept(svc.engine.accept_timeout)
-            return self.accept
+            return await self._watched(self._start())
         except BaseException:
             self.close()
             raise
 
-    async def frames(self):
-        """ECHO and TOKEN frames, then the DONE payload as the last item."""
+    async def _start(self) -> dict:
+        svc = self.svc
+        deadline = asyncio.get_running_loop().time() + svc.admission.timeout
+        await svc.admission.acquire()
+        self._slot = True
+        # A request that arrives while the engine restarts waits for it, within the queue's
+        # timeout, instead of being refused: a restart is part of the design.
+        await svc.engine.wait_up(deadline)
+        self.queue_s = time.monotonic() - self.t0
+        self.ch = await svc.engine.submit(self.payload, self.members, self.choices, self.echo)
+        self.accept = await self.ch.wait_accept(svc.engine.accept_timeout)
+        return self.accept
+
+    async def _watched(self, coro):
+        """Run coro while watching for the client to hang up (then it is cancelled and
+        ClientGone raised); an engine refusal names the client's own field."""
+        try:
+            return await until_disconnect(self.request, coro)
+        except APIError as e:
+            raise self.source.attribute(e)
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        """ECHO and TOKEN frames, then the DONE frame as the last item."""
         while True:
             f = await self.ch.next()
-            if f.kind == "DONE":
-                yield f
-                return
             if f.kind == "TOKEN":
                 now = time.monotonic()
                 if self.first_token_at is None:
                     self.first_token_at = now
                 self.token_span.setdefault((f.payload["member"], f.payload["choice"]), [now, now])[1] = now
             yield f
-
-    async def result(self) -> dict:
-        """A tokenizer op's answer (its DONE `result`)."""
-        return (await self.ch.next()).payload["result"]
-
-    def log_stream_failure(self, response_id: str, e: APIError) -> None:
-        log.error("request_id=%s response_id=%s stream ended after commit: code=%s %s",
-                  self.request_id, response_id, e.code, e.message)
+            if f.kind == "DONE":
+                return
 
     async def collect(self) -> Outcome:
         """Every frame of a non-streamed answer, at most --max-response-mib of them: past that
         the engine work is cancelled and the request refused by name (a streamed answer holds
-        nothing back, so it has no such bound)."""
+        nothing back, so it has no such bound). Releases the request whatever happens."""
+        try:
+            return await self._watched(self._collect())
+        finally:
+            self.close()
+
+    async def _collect(self) -> Outcome:
         out = Outcome(self.accept)
         bound = self.svc.limits.max_response_bytes
         async for f in self.frames():
@@ -113,6 +145,31 @@ class Generation:
         self.account(out.done)
         return out
 
+    async def result(self) -> dict:
+        """A tokenizer op's answer (its DONE `result`). Releases the request."""
+        try:
+            return (await self._watched(self.ch.next())).payload["result"]
+        finally:
+            self.close()
+
+    def streaming(self, events: AsyncIterator[bytes], response_id: str,
+                  on_failure: Callable[[APIError], bytes] | None = None) -> StreamingResponse:
+        """The committed answer as server-sent events. A failure after the commit ends the
+        stream cleanly (with `on_failure`'s last event, where the API has one) and is logged."""
+        async def body():
+            try:
+                async for chunk in events:
+                    yield chunk
+            except APIError as e:
+                log.error("request_id=%s response_id=%s stream ended after commit: code=%s %s",
+                          self.request_id, response_id, e.code, e.message)
+                if on_failure is not None:
+                    yield on_failure(e)
+            finally:
+                await events.aclose()
+                self.close()
+        return StreamingResponse(body(), media_type="text/event-stream", headers=self.headers)
+
     def account(self, done: dict) -> None:
         self.svc.metrics.finished(self, done, time.monotonic())
 
@@ -125,39 +182,12 @@ class Generation:
             self.svc.admission.release()
 
 
-async def run_op(svc, request: Request, payload: dict) -> dict:
+async def run_op(svc: "Service", request: Request, payload: dict, source: Source) -> dict:
     """A tokenizer op (tokenize, detokenize) through admission like any request: it takes a
     slot, waits its turn in the bounded queue, and is cancelled if the client leaves."""
-    gen = Generation(svc, request, payload, 1, 1, False)
-    try:
-        await until_disconnect(request, gen.start())
-        return await until_disconnect(request, gen.result())
-    finally:
-        gen.close()
-
-
-def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = False, ids: bool = False,
-                       seed: bool = False, chat: bool = False, members: int = 1, choices: int = 1) -> None:
-    """Refuse, before any submit, what the running engine did not declare in READY."""
-    caps = info["capabilities"]
-
-    def missing(param: str, what: str) -> APIError:
-        return APIError("engine_capability_missing", f"the running engine does not support {what}", param)
-
-    if logprobs is not None and (not caps["logprobs"] or logprobs > caps["max_logprobs"]):
-        raise missing("logprobs", f"logprobs={logprobs} (max {caps['max_logprobs'] if caps['logprobs'] else 'none'})")
-    if echo and not caps["echo"]:
-        raise missing("echo", "echo")
-    if ids and not caps["token_ids"]:
-        raise missing("prompt", "token-id prompts")
-    if seed and not caps["seed"]:
-        raise missing("seed", "seeded sampling")
-    if chat and not caps["chat_template"]:
-        raise missing("messages", "chat (the model has no chat template)")
-    if members > caps["max_members"]:
-        raise missing("prompt", f"batches of more than {caps['max_members']} members")
-    if choices > caps["max_choices"]:
-        raise missing("n", f"n above {caps['max_choices']}")
+    gen = Generation(svc, request, payload, source)
+    await gen.start()
+    return await gen.result()
 
 
 async def until_disconnect(request: Request, coro):
@@ -186,20 +216,3 @@ async def until_disconnect(request: Request, coro):
     except BaseException:
         pass
     raise ClientGone()
-
-
-def usage(done: dict) -> dict:
-    u = done["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
-
-
-def member_param(err: APIError, base: str, is_array: bool) -> APIError:
-    """Re-attribute an engine refusal naming `members[i]` to the request's own field."""
-    member = getattr(err, "member", None)
-    if err.param and err.param.startswith("members"):
-        err.param = f"{base}[{member}]" if (is_array and member is not None) else base
-    elif err.param == "max_prompt_tokens":
-        err.param = base
-    return err

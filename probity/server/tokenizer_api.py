@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .errors import APIError
-from .generation import member_param, run_op
+from .generation import Source, run_op
 from .validation import _bool, _check_keys, _model, _token_ids, _type, parse_messages
 
 
@@ -37,10 +37,8 @@ async def tokenize(svc, request, body: dict) -> dict:
         if add_special:
             raise APIError("unsupported_value", "a rendered chat template already holds its special tokens",
                            "add_special_tokens")
-    try:
-        result = await run_op(svc, request, {"op": "tokenize", "members": [member], "add_special_tokens": add_special})
-    except APIError as e:
-        raise member_param(e, "prompt" if has_prompt else "messages", False)
+    result = await run_op(svc, request, {"op": "tokenize", "members": [member], "add_special_tokens": add_special},
+                          Source("prompt" if has_prompt else "messages"))
     return {"tokens": result["ids"], "count": result["count"], "max_model_len": info["model"]["context_length"]}
 
 
@@ -55,12 +53,7 @@ async def detokenize(svc, request, body: dict) -> dict:
     if type(tokens) is not list:
         raise _type("tokens", "an array of token ids")
     _token_ids(tokens, "tokens", info["model"]["vocab_size"])
-    try:
-        result = await run_op(svc, request, {"op": "detokenize", "ids": tokens})
-    except APIError as e:
-        if e.param == "ids":
-            e.param = "tokens"
-        raise
+    result = await run_op(svc, request, {"op": "detokenize", "ids": tokens}, Source("tokens"))
     return {"prompt": result["text"]}
 
 

@@ -2,17 +2,18 @@
 the result. Every accepted field is listed in docs/api.md with its range."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ..protocol import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOPS
+from .. import protocol as P
+from ..protocol import Sampling
 from .errors import APIError
 
 
 @dataclass
 class Limits:
     """Configurable bounds (CLI flags); documented in docs/api.md."""
-    max_logprobs: int = 32
+    max_logprobs: int = P.MAX_LOGPROBS
     max_members: int = 128
     batch_prompt_tokens: int = 65536
     batch_completion_tokens: int = 65536
@@ -20,44 +21,11 @@ class Limits:
 
 
 @dataclass
-class Sampling:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] = field(default_factory=dict)
-    seed: int | None = None
-
-    def wire(self) -> dict:
-        """SUBMIT fields. Defaults are omitted, so a request that spells out a default
-        produces the same bytes as one that leaves it out."""
-        out: dict[str, Any] = {"max_tokens": self.max_tokens}
-        for k, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("n", 1),
-                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            v = getattr(self, k)
-            if v != default:
-                out[k] = v
-        if self.stop:
-            out["stop"] = self.stop
-        if self.logit_bias:
-            out["logit_bias"] = self.logit_bias
-        if self.seed is not None:
-            out["seed"] = self.seed
-        return out
-
-
-@dataclass
 class CompletionRequest:
     model: str
     members: list[dict]            # each {"text": str} or {"ids": [int]}
     is_array: bool
-    sampling: Sampling
-    logprobs: int | None           # None: no logprobs object
-    echo: bool
+    sampling: Sampling             # .logprobs None: no logprobs object
     stream: bool
     include_usage: bool
     token_ids_labels: bool
@@ -67,9 +35,7 @@ class CompletionRequest:
 class ChatRequest:
     model: str
     messages: list[dict]           # {"role", "content": str}
-    sampling: Sampling
-    logprobs: bool
-    top_logprobs: int
+    sampling: Sampling             # .logprobs: top_logprobs when logprobs is true, else None
     stream: bool
     include_usage: bool
 
@@ -158,61 +124,62 @@ def _stop(body: dict, key: str = "stop") -> list[str]:
     if type(v) is str:
         if not v:
             raise _value(key, "a non-empty string")
-        if len(v) > MAX_STOP_CHARS:
-            raise _value(key, f"at most {MAX_STOP_CHARS} characters")
+        if len(v) > P.MAX_STOP_CHARS:
+            raise _value(key, f"at most {P.MAX_STOP_CHARS} characters")
         return [v]
     if type(v) is not list:
         raise _type(key, "a string or an array of strings")
-    if len(v) > MAX_STOPS:
-        raise _value(key, f"at most {MAX_STOPS} strings")
+    if len(v) > P.MAX_STOPS:
+        raise _value(key, f"at most {P.MAX_STOPS} strings")
     for i, s in enumerate(v):
         if type(s) is not str:
             raise _type(f"{key}[{i}]", "a string")
         if not s:
             raise _value(f"{key}[{i}]", "a non-empty string")
-        if len(s) > MAX_STOP_CHARS:
-            raise _value(f"{key}[{i}]", f"at most {MAX_STOP_CHARS} characters")
+        if len(s) > P.MAX_STOP_CHARS:
+            raise _value(f"{key}[{i}]", f"at most {P.MAX_STOP_CHARS} characters")
     return list(v)
 
 
-def _logit_bias(body: dict, vocab_size: int) -> dict[str, float]:
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     v = body.get("logit_bias")
     if v is None:
         return {}
     if type(v) is not dict:
         raise _type("logit_bias", "an object mapping token ids to numbers")
-    if len(v) > 1024:
-        raise _value("logit_bias", "at most 1024 entries")
-    out = {}
+    if len(v) > P.MAX_LOGIT_BIAS:
+        raise _value("logit_bias", f"at most {P.MAX_LOGIT_BIAS} entries")
+    lo, hi = P.LOGIT_BIAS
+    out: dict[int, float] = {}
     for k, b in v.items():
         digits = k.lstrip("0") or "0"
         # The length test keeps int() away from keys beyond its 4300-digit limit (a 500).
         if not (k.isascii() and k.isdigit()) or len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
             raise APIError("token_out_of_vocabulary", f"logit_bias key {k!r} is not a token id below {vocab_size}", "logit_bias")
-        if digits in out:  # "1" and "01" name one token: never let one bias silently replace the other
+        if int(digits) in out:  # "1" and "01" name one token: never let one bias silently replace the other
             raise APIError("invalid_value", f"logit_bias names token {digits} twice", "logit_bias")
         p = f"logit_bias.{k}"
         if not _is_num(b):
             raise _type(p, "a number")
-        if not -100 <= b <= 100:
-            raise _value(p, "in [-100, 100]")
-        out[digits] = float(b)
+        if not lo <= b <= hi:
+            raise _value(p, f"in [{lo:g}, {hi:g}]")
+        out[int(digits)] = float(b)
     return out
 
 
-def _sampling(body: dict, vocab_size: int, max_tokens_key: str = "max_tokens") -> Sampling:
-    s = Sampling()
-    s.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
+    """The sampling fields completions and chat share, as Sampling's keyword arguments."""
     top_k = _integer(body, "top_k", 0, -1, vocab_size)
-    s.top_k = 0 if top_k == -1 else top_k
-    s.n = _integer(body, "n", 1, 1, MAX_CHOICES)
-    s.stop = _stop(body)
-    s.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    s.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    s.logit_bias = _logit_bias(body, vocab_size)
-    s.seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
-    return s
+    return dict(
+        temperature=_number(body, "temperature", 1.0, *P.TEMPERATURE),
+        top_p=_number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
+        top_k=0 if top_k == -1 else top_k,
+        n=_integer(body, "n", 1, 1, P.MAX_CHOICES),
+        stop=tuple(_stop(body)),
+        presence_penalty=_number(body, "presence_penalty", 0.0, *P.PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, *P.PENALTY),
+        logit_bias=_logit_bias(body, vocab_size),
+        seed=_integer(body, "seed", None, *P.SEED))
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -267,11 +234,11 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     echo = body.get("echo", False)
     if type(echo) is not bool:
         raise _type("echo", "a boolean")
-    s = _sampling(body, vocab_size)
-    max_tokens = _integer(body, "max_tokens", 16, 0, 1 << 24)
+    fields = _sampling(body, vocab_size)
+    max_tokens = _integer(body, "max_tokens", 16, 0, P.MAX_TOKENS)
     if max_tokens == 0 and not echo:
         raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
-    s.max_tokens = max_tokens
+    s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, **fields)
     stream, include_usage = _stream(body)
     if stream and len(members) > 1:
         raise APIError("unsupported_value", "a prompt array is an all-or-nothing batch and cannot stream", "stream")
@@ -290,8 +257,7 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     if user is not None and type(user) is not str:
         raise _type("user", "a string")
     return CompletionRequest(
-        model=model, members=members, is_array=is_array, sampling=s, logprobs=logprobs, echo=echo,
-        stream=stream, include_usage=include_usage,
+        model=model, members=members, is_array=is_array, sampling=s, stream=stream, include_usage=include_usage,
         token_ids_labels=_bool(body, "return_tokens_as_token_ids", False))
 
 
@@ -356,7 +322,7 @@ CHAT_REFUSED = {
     "best_of": "not a chat completions parameter",
     "suffix": "not a chat completions parameter",
 }
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = P.ROLES
 
 
 def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> ChatRequest:
@@ -372,17 +338,17 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> Chat
         raise _value("top_logprobs", f"an integer in [0, {limits.max_logprobs}]")
     if top and not logprobs:
         raise APIError("invalid_value", "'top_logprobs' requires logprobs: true", "top_logprobs")
-    s = _sampling(body, vocab_size)
+    fields = _sampling(body, vocab_size)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise APIError("invalid_value", "give max_tokens or max_completion_tokens, not both", "max_tokens")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    s.max_tokens = _integer(body, key, 16, 1, 1 << 24)
+    s = Sampling(max_tokens=_integer(body, key, 16, 1, P.MAX_TOKENS), logprobs=(top or 0) if logprobs else None,
+                 **fields)
     stream, include_usage = _stream(body)
     user = body.get("user")
     if user is not None and type(user) is not str:
         raise _type("user", "a string")
-    return ChatRequest(model=model, messages=messages, sampling=s, logprobs=logprobs,
-                       top_logprobs=top or 0, stream=stream, include_usage=include_usage)
+    return ChatRequest(model=model, messages=messages, sampling=s, stream=stream, include_usage=include_usage)
 
 
 def _response_format(rf: Any) -> None:

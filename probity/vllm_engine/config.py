@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+from ..protocol import MAX_TOP
+
 # Engine arguments probity sets itself, because the contract depends on them:
 #   logprobs_mode  raw log-softmax of the logits, before any processing (docs/api.md)
 #   max_logprobs   the pipe's own cap (32 alternatives plus the chosen token)
@@ -65,7 +67,7 @@ def engine_kwargs(model_dir: str, tensor_parallel_size: int, max_running: int, s
     return {**DEFAULTS, "max_num_seqs": max_running, "max_num_batched_tokens": step_tokens,
             "kv_cache_memory_bytes": int(kv_cache_gib * 2**30), **extra,
             "model": model_dir, "tokenizer": model_dir, "tensor_parallel_size": tensor_parallel_size,
-            "logprobs_mode": "raw_logprobs", "max_logprobs": 33, "generation_config": "vllm"}
+            "logprobs_mode": "raw_logprobs", "max_logprobs": MAX_TOP, "generation_config": "vllm"}
 
 
 def set_environment(threads: int | None) -> None:

@@ -1,157 +1,33 @@
-"""The server <-> engine pipe: frame kinds, bounds, schemas, encoding and checked reading.
-
-Both ends and the tests import this module; it is the single declaration of the wire.
-See docs/protocol.md for the prose version, which must match this file.
-"""
+"""Frames: their kinds, bounds and schemas, encoding, and checked reading. docs/protocol.md is
+the prose version and must match this file."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+
+from . import strict_json
+from .schema import (Bool, Enum, Hex, Int, KiB, List, MiB, Null, Num, Obj, ProtocolViolation, Schema, SchemaError,
+                     Str, Tuple, _fail)
+from .submit import MAX_CHOICES, MAX_LOGPROBS, MAX_MEMBERS, MAX_STOP_CHARS, SUBMIT_SCHEMA, TOKEN_ID
 
 PROTOCOL_VERSION = 1
 MAX_HEADER = 64  # bytes, LF excluded
 _HEADER_RE = re.compile(rb"([A-Z]{1,10}) (0|[1-9][0-9]{0,19}) ([0-9]{1,9})")
-
-KiB = 1024
-MiB = 1024 * KiB
-
-
-class ProtocolViolation(Exception):
-    """The peer broke the framing, bounds, schema or order rules. Never recoverable on the same pipe."""
 
 
 class FrameTooLarge(ValueError):
     """A payload that encodes beyond its kind's bound: the sender refuses it before writing."""
 
 
-# ---------------------------------------------------------------- schemas
-# A schema is a callable(value, path) that raises ProtocolViolation. The helpers below build
-# them; every object schema rejects unknown keys.
-
-Schema = Callable[[Any, str], None]
-
-
-def _fail(path: str, what: str) -> None:
-    raise ProtocolViolation(f"{path}: {what}")
-
-
-def Int(lo: int = 0, hi: int = 2**63 - 1) -> Schema:
-    def check(v: Any, path: str) -> None:
-        if type(v) is not int or not lo <= v <= hi:
-            _fail(path, f"expected int in [{lo}, {hi}]")
-    return check
-
-
-def Num() -> Schema:
-    def check(v: Any, path: str) -> None:
-        if type(v) not in (int, float) or (type(v) is float and not math.isfinite(v)):
-            _fail(path, "expected finite number")
-    return check
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def Str(max_len: int = 1 * MiB) -> Schema:
-    def check(v: Any, path: str) -> None:
-        if type(v) is not str or len(v) > max_len:
-            _fail(path, f"expected string of at most {max_len} chars")
-        if _SURROGATE.search(v):  # a valid JSON escape, but not text: it could reach no client
-            _fail(path, "lone UTF-16 surrogate")
-    return check
-
-
-def Bool() -> Schema:
-    def check(v: Any, path: str) -> None:
-        if type(v) is not bool:
-            _fail(path, "expected bool")
-    return check
-
-
-_HEX_RE = re.compile(r"(?:[0-9a-f]{2})*")
-
-
-def Hex(max_bytes: int = 4 * KiB) -> Schema:
-    def check(v: Any, path: str) -> None:
-        if type(v) is not str or len(v) > 2 * max_bytes or not _HEX_RE.fullmatch(v):
-            _fail(path, "expected lower-case hex bytes")
-    return check
-
-
-def Enum(*values: str) -> Schema:
-    def check(v: Any, path: str) -> None:
-        if v not in values or type(v) is not str:
-            _fail(path, f"expected one of {values}")
-    return check
-
-
-def Null(inner: Schema) -> Schema:
-    def check(v: Any, path: str) -> None:
-        if v is not None:
-            inner(v, path)
-    return check
-
-
-def List(item: Schema, max_len: int, min_len: int = 0) -> Schema:
-    def check(v: Any, path: str) -> None:
-        if type(v) is not list or not min_len <= len(v) <= max_len:
-            _fail(path, f"expected list of {min_len}..{max_len} items")
-        for i, x in enumerate(v):
-            item(x, f"{path}[{i}]")
-    return check
-
-
-def Tuple(*items: Schema) -> Schema:
-    def check(v: Any, path: str) -> None:
-        if type(v) is not list or len(v) != len(items):
-            _fail(path, f"expected list of exactly {len(items)} items")
-        for i, (x, s) in enumerate(zip(v, items)):
-            s(x, f"{path}[{i}]")
-    return check
-
-
-def Obj(required: dict[str, Schema], optional: dict[str, Schema] | None = None) -> Schema:
-    optional = optional or {}
-
-    def check(v: Any, path: str) -> None:
-        if type(v) is not dict:
-            _fail(path, "expected object")
-        for k in required:
-            if k not in v:
-                _fail(path, f"missing key {k!r}")
-        for k, x in v.items():
-            s = required.get(k) or optional.get(k)
-            if s is None:
-                _fail(path, f"unknown key {k!r}")
-            s(x, f"{path}.{k}")
-    return check
-
-
-def Any_() -> Schema:
-    """A JSON value checked by the peer's own validation (used only for SUBMIT bodies,
-    which the engine validates field by field and answers with a named BAD_REQUEST)."""
-    def check(v: Any, path: str) -> None:
-        return None
-    return check
-
-
 # ---------------------------------------------------------------- frame kinds
 
-MAX_LOGPROBS = 32
-MAX_MEMBERS = 128
-MAX_CHOICES = 16
 MAX_TOP = MAX_LOGPROBS + 1
-MAX_STOPS = 32            # stop strings in one request
-MAX_STOP_CHARS = 4096     # characters in one stop string (DONE names the matched one)
 MAX_RESULT_IDS = 1 << 21  # ids in one tokenize result
 MAX_ECHO_POSITIONS = 4096
 ECHO_CHUNK = 256          # positions an engine sends per ECHO frame (fewer when they are large)
 MAX_TOKEN_ENTRIES = 256
 ID = Int(0, 2**64 - 1)
-TOKEN_ID = Int(0, 2**31 - 1)
 LOGPROB = Null(Num())
 TOP = List(Tuple(TOKEN_ID, Hex(), LOGPROB), MAX_TOP)
 
@@ -201,12 +77,7 @@ def _kind(name: str, sender: str, max_payload: int, schema: Schema, reserved: bo
 
 
 # server -> engine
-_kind("SUBMIT", "server", 16 * MiB, Obj({"op": Enum("generate", "tokenize", "detokenize", "render")},
-                                        {k: Any_() for k in (
-                                            "members", "max_tokens", "temperature", "top_p", "top_k",
-                                            "seed", "n", "stop", "presence_penalty", "frequency_penalty",
-                                            "logit_bias", "logprobs", "echo", "add_special_tokens",
-                                            "ids", "max_prompt_tokens", "count_only")}))
+_kind("SUBMIT", "server", 16 * MiB, SUBMIT_SCHEMA)
 _kind("CANCEL", "server", 64, Obj({}))
 _kind("SHUTDOWN", "server", 64, Obj({}))
 # engine -> server
@@ -288,7 +159,7 @@ def encode(kind: str, rid: int, payload: dict) -> bytes:
     a non-finite float here is a bug in the caller and raises."""
     if kind not in KINDS:
         raise ValueError(f"unknown frame kind {kind}")
-    body = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+    body = strict_json.dumps(payload)
     if len(body) > KINDS[kind].max_payload:
         raise FrameTooLarge(f"{kind} payload of {len(body)} bytes exceeds its bound of {KINDS[kind].max_payload}")
     return b"%s %d %d\n%s\n" % (kind.encode(), rid, len(body), body)
@@ -344,26 +215,19 @@ def parse_payload(kind: Kind, rid: int, data: bytes) -> Frame:
     if data[-1:] != b"\n":
         raise ProtocolViolation(f"{kind.name} frame not terminated by LF")
     try:
-        obj = json.loads(data[:-1].decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ProtocolViolation(f"{kind.name} payload is not JSON: {e}") from None
-    except RecursionError:
+        obj = strict_json.loads(data[:-1])
+    except strict_json.TooDeep:
         raise ProtocolViolation(f"{kind.name} payload nests too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ProtocolViolation(f"{kind.name} payload is not JSON: {e}") from None
     if type(obj) is not dict:
         raise ProtocolViolation(f"{kind.name} payload is not an object")
-    kind.schema(obj, kind.name)
+    try:
+        kind.schema(obj, kind.name)
+    except SchemaError as e:
+        e.kind, e.id = kind.name, rid
+        raise
     return Frame(kind.name, rid, obj, len(data) - 1)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _unique_keys(pairs: list) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):  # which value would count is ambiguous: not a frame
-        raise ValueError("duplicate key")
-    return out
 
 
 class SyncReader:
