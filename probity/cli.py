@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from .server.app import Config, create_app
+    from .server.app import create_app
+    from .server.service import Config
     from .server.validation import Limits
 
     try:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
                       args.batch_completion_tokens, int(args.max_response_mib * (1 << 20))),
         engine_args=engine_args, engine_command=engine_command)
-    from .server.transport import DeadlineH11Protocol
+    from .server.http11 import DeadlineH11Protocol
 
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 http=DeadlineH11Protocol, limit_concurrency=args.max_connections, timeout_graceful_shutdown=10)

@@ -6,7 +6,8 @@ import json
 import torch
 
 from probity.engine import calibration as C
-from probity.engine.model import Linear, attention_min_rows, probe_linear
+from probity.engine.calibration import attention_min_rows, probe_linear
+from probity.engine.linear import Linear
 from probity.engine.runner import row_buckets
 
 
@@ -48,7 +49,7 @@ def test_a_cached_entry_that_no_longer_holds_is_measured_again(tmp_path):
 
 def test_the_cache_key_holds_what_the_outcome_depends_on(tmp_path, monkeypatch):
     fp = C.fingerprint()
-    assert {"cpu", "cpu_flags", "torch", "torch_config", "threads", "narrow", "code"} <= set(fp)
+    assert {"cpu", "cpu_flags", "torch", "torch_config", "threads", "kernels", "code"} <= set(fp)
     a = C.Calibration(tmp_path)
     a.linear(linears()[0])
     a.save()

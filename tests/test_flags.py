@@ -87,7 +87,7 @@ def test_memory_flags_set_what_the_engine_holds(tight, tiny_server):
     assert small["weights_onednn"] == big["weights_onednn"] > 0
     assert small["resident"] < big["resident"] - (1 << 30)  # the pool is touched at start: it is resident
     for m in (small, big):
-        assert sum(m[k] for k in ("weights_onednn", "weights_narrow", "kv_pool", "hidden_pool", "echo_cache")) \
+        assert sum(m[k] for k in ("weights_onednn", "weights_kernels", "kv_pool", "hidden_pool", "echo_cache")) \
             <= m["resident"]
     # no keys kept between decode steps changes no number
     body = {"prompt": "The quick brown fox", "max_tokens": 20, "temperature": 0, "logprobs": 3}
@@ -98,6 +98,6 @@ def test_memory_flags_set_what_the_engine_holds(tight, tiny_server):
 
 def test_probity_cache_dir_holds_the_kernel_and_the_calibration(tight, cache_dir):
     assert list((cache_dir / "calibration").glob("*.json"))
-    assert list((cache_dir / "kernels").glob("narrow-*.so")) or "narrow linear kernel" in tight.log_path.read_text()
+    assert list((cache_dir / "kernels").glob("kernels-*.so")) or "linear kernel" in tight.log_path.read_text()
     entries = json.loads(next((cache_dir / "calibration").glob("*.json")).read_text())["entries"]
     assert any(k.startswith("linear/") for k in entries) and any(k.startswith("attention/") for k in entries)

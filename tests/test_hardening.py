@@ -103,13 +103,13 @@ def test_unreadable_model_is_a_clear_startup_error(tmp_path):
 
 
 def test_trickled_request_head_is_cut_off(tiny_server, monkeypatch):
-    from probity.server import transport
+    from probity.server import http11
 
     with socket.create_connection(("127.0.0.1", tiny_server.port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         t0 = time.monotonic()
         data = s.recv(1024)  # the server closes the connection at its header deadline
-        assert data == b"" and time.monotonic() - t0 <= transport.HEADER_TIMEOUT + 5
+        assert data == b"" and time.monotonic() - t0 <= http11.HEADER_TIMEOUT + 5
 
 
 def test_trickled_body_gets_408(tiny_model_dir):

@@ -127,15 +127,16 @@ def test_matches_transformers_forward_within_budget(tiny_harness, tiny_hf):
     assert reported_gap(ours, ref, ids) < 1e-4
 
 
-def test_without_the_narrow_kernels_numbers_stay_invariant_and_faithful(tiny_hf, monkeypatch):
-    """Where narrow.c cannot be built or loaded (no gcc, no AVX2/FMA), every op falls back to
+def test_without_the_kernels_numbers_stay_invariant_and_faithful(tiny_hf, monkeypatch):
+    """Where kernels.c cannot be built or loaded (no gcc, no AVX2/FMA), every op falls back to
     oneDNN, MKL or torch, with the floors the probes measure for those: a sequence's logits
     are still the same bits one token at a time, in one prefill and chunked beside others,
     and still within the budget of transformers' forward."""
-    from probity.engine import narrow
+    from probity.engine import kernels
 
-    monkeypatch.setattr(narrow, "_lib", None)
-    monkeypatch.setattr(narrow, "_why_not", "switched off by the test")
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    monkeypatch.setattr(kernels, "_why_not", "switched off by the test")
     h = Harness(tiny_hf[0])
     model = h.runner.model
     assert model.head.packed is None and model.head.kb is None and not model.fused_decode
@@ -185,7 +186,9 @@ def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
     data than the startup probe uses, every row count the runner can give an item from that
     floor up returns the bits of the widest call, row by row; and a floor one bucket lower
     would not hold wherever the measured one is above 1."""
-    from probity.engine.model import KEY_ALIGN, attention_min_rows, score_gemm, value_gemm
+    from probity.engine.attention import KEY_ALIGN
+    from probity.engine.calibration import attention_min_rows
+    from probity.engine.kernels import score_gemm, value_gemm
     from probity.engine.runner import PROBE_ROWS, row_buckets
 
     buckets = row_buckets(PROBE_ROWS)
@@ -214,19 +217,19 @@ def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
 ])
 def test_linears_agree_from_the_measured_floor(out_f, in_f, residual):
     """A linear call narrower than the floor measured at startup for its shape is padded,
-    because a CPU's kernel may reduce a lone row differently; calls of up to narrow.MAX_ROWS
-    rows run through narrow.c where the probe found it gives oneDNN's bits. Here, on other
+    because a CPU's kernel may reduce a lone row differently; calls of up to kernels.MAX_ROWS
+    rows run through the kernel where the probe found it gives oneDNN's bits. Here, on other
     weights and inputs than the probe's, every row count from 1 to 40 and a few wide ones,
     called as the model calls it, returns the bits of the same rows of a 700-row oneDNN call;
     and one row fewer than a floor above 1 would not hold."""
-    from probity.engine.model import Linear, probe_linear
+    from probity.engine.calibration import probe_linear
+    from probity.engine.linear import Linear
 
     gen = torch.Generator().manual_seed(out_f * 7 + in_f)
     lin = Linear(torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5, torch.randn(out_f, generator=gen),
                  residual=residual)
     floor, kb = probe_linear(lin)
-    lin.min_rows = floor
-    lin.use_narrow(kb)
+    lin.calibrated(floor, kb)
     x = torch.randn(700, in_f, generator=gen)
     r = torch.randn(700, out_f, generator=gen) if residual else None
     wide = lin(x, r)

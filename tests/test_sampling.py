@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 
 from conftest import TINY_ID
@@ -186,7 +185,7 @@ def test_batched_draws_equal_one_row_at_a_time():
     import random
 
     from probity.engine.sampler import new_generator, sample, sample_many
-    from probity.engine.core import Request
+    from probity.engine.request import Request
     from probity.protocol import Sampling
 
     class Seq:

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from probity.engine.sampler import top_tables
+from probity.engine.tables import top_tables
 
 
 def brute(row: torch.Tensor, chosen: int, k: int) -> list[tuple[int, float]]:

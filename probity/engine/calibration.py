@@ -1,15 +1,21 @@
-"""The startup calibration, measured once per machine and reused.
+"""The startup calibration: every probe the engine runs before it serves, in one step, with one
+result that the runner reads and the log prints.
 
-What the engine measures at startup — each linear shape's oneDNN row floor and narrow.c
-k-block (`model.probe_linear`), attention's row floor (`model.attention_min_rows`) — depends
-only on the CPU, the kernels and the shapes, not on the weights. So it is stored on disk under
-a key made of everything it depends on: the CPU's model name and flags, torch's version and
-build configuration (its MKL and oneDNN versions), the thread count, the compiled kernel
-library, and the source of the probes and kernels themselves. A restart (or a second
-model with the same shapes) reads it back and re-verifies each entry with a few calls on
-fresh data (the floor's own count and narrow.c at 1, 7 and 32 rows against a wide call)
-instead of the full sweep; an entry that fails is measured again and the file rewritten.
-The log says which happened.
+A GEMM kernel's reduction order is an implementation detail that may change with the row
+count and the CPU, and probity's own kernels claim to reproduce the libraries' orders. Here
+each claim is measured on this machine, on random data made as the model makes it:
+- each linear shape's oneDNN row floor (narrower calls are padded) and the k-block with which
+  the linear kernel gives oneDNN's bits (`probe_linear`);
+- attention's row floor for its two sliced GEMMs (`attention_min_rows`);
+- whether the fused decode attention gives the general path's bits (`probe_decode_attention`).
+
+What these measure depends only on the CPU, the kernels and the shapes, never on the weights,
+so the linear and attention results are stored under a key of everything they depend on: the
+CPU's model name and flags, torch's version and build configuration (its MKL and oneDNN), the
+thread count, the compiled kernel library, and the source of the probes and kernels. A restart
+reads them back and re-verifies each on fresh data (the floor's own count and the kernel at
+1, 7 and 32 rows against a wide call) instead of the full sweep; an entry that fails is
+measured again and the file rewritten. The fused decode probe is cheap and always runs.
 """
 from __future__ import annotations
 
@@ -18,21 +24,171 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import narrow
+from . import kernels
+from .attention import KEY_ALIGN, AttnGroup, attend, masks
 from .cache_dir import cache_dir
+from .linear import Linear
 
-FORMAT = 1
+FORMAT = 2
+LINEAR_PROBE = (*range(1, 18), 24, 32, 48, 64, 96, 128, 256)   # row counts probe_linear compares
+LINEAR_PROBE_WIDE = 512   # ... with the same rows of a call this wide
+BLOCK_CANDIDATES = (None, 1024, 512, 256, 2048, 768, 384, 128)   # the kernel's k-blocks tried (None: one chain over K)
+KERNEL_PROBE_ROWS = (1, 2, 3, 5, 6, 7, 12, 13, 31, 32)
 VERIFY_WIDE = 64          # rows of the wide call a cached linear entry is checked against (in LINEAR_PROBE)
 VERIFY_NARROW = (1, 7, 32)
+SOURCES = ("kernels/kernels.c", "kernels/__init__.py", "kernels/build.py", "linear.py", "attention.py",
+           "calibration.py")
 
+
+# ---------------------------------------------------------------- the probes
+
+def probe_linear(lin: Linear) -> tuple[int, int | None]:
+    """(floor, kb) for calls of `lin` on this CPU, from one wide oneDNN call on random data
+    made as the model makes it (with or without the fused add).
+
+    floor: the fewest rows a oneDNN call may have. Every row of a call with a count in
+    LINEAR_PROBE is compared bit for bit with the same row of the LINEAR_PROBE_WIDE-row call,
+    and the smallest count from which every larger one agrees is returned.
+
+    kb: the k-block with which the linear kernel gives the wide call's bits for every count in
+    KERNEL_PROBE_ROWS, or None (no candidate does, or there is no kernel here): then oneDNN
+    serves every call of this shape.
+
+    A kernel's choice depends on the shapes, not on the values, so one probe serves every
+    layer of a shape."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(LINEAR_PROBE_WIDE, lin.in_features, generator=gen)
+    r = torch.randn(LINEAR_PROBE_WIDE, lin.out_features, generator=gen) if lin.residual else None
+    wide = lin.gemm(x, r)
+    bad = 0
+    for m in LINEAR_PROBE:
+        if not torch.equal(lin.gemm(x[:m], _rows(r, m)), wide[:m]):
+            bad = m
+    kb = None
+    if lin.packed is not None:
+        k = lin.in_features
+        for cand in BLOCK_CANDIDATES:
+            if cand is not None and cand >= k:
+                continue   # the same order as one chain, tried first
+            block = k if cand is None else cand
+            if all(torch.equal(kernels.linear(x[:m], lin.packed, lin.out_features, block, lin.b, _rows(r, m)),
+                               wide[:m]) for m in KERNEL_PROBE_ROWS):
+                kb = block
+                break
+    return bad + 1, kb
+
+
+def _rows(t: torch.Tensor | None, m: int) -> torch.Tensor | None:
+    return None if t is None else t[:m]
+
+
+def attention_min_rows(head_dim: int, group: int, row_counts: list[int], probe_columns: int = 4096,
+                       seed: int = 0) -> int:
+    """The fewest query rows per item that attention may give its two GEMMs on this CPU.
+
+    A GEMM kernel may reduce a row differently when the call has few rows (an AMD EPYC's MKL
+    gave rows 1-3 of both sliced GEMMs other bits than from 4 on). So for every per-item row
+    count the runner can use (`row_counts`, ascending; grouped-query heads make `group` GEMM
+    rows of each), both GEMMs are run on random data and every row compared bit for bit with
+    the same row of the widest call. Returned: the smallest count from which every larger one
+    agrees. Counts whose GEMM width is past `probe_columns` are checked at powers of two and at
+    the widest (a kernel's choice below such widths is what varies; above it the reduction
+    over head_dim does not)."""
+    widest = row_counts[-1]
+    probed = [r for r in row_counts
+              if r * group <= probe_columns or r & (r - 1) == 0 or r == widest]
+    gen = torch.Generator().manual_seed(seed)
+    bad = 0
+    for L, items in ((KEY_ALIGN, 1), (3 * KEY_ALIGN, 3)):
+        keys = torch.randn(2, items, L, head_dim, generator=gen)
+        vals = torch.randn(2, items, L, head_dim + 1, generator=gen)
+        qs = torch.randn(2, items, widest * group, head_dim, generator=gen)
+        e = torch.rand(2, items, L // KEY_ALIGN, widest * group, KEY_ALIGN, generator=gen)
+        s_ref, v_ref = kernels.score_gemm(keys, qs), kernels.value_gemm(e, vals)
+        for r in probed[:-1]:
+            c = r * group
+            if not (torch.equal(kernels.score_gemm(keys, qs[:, :, :c]), s_ref[..., :c, :])
+                    and torch.equal(kernels.value_gemm(e[..., :c, :].contiguous(), vals), v_ref[..., :c, :])):
+                bad = max(bad, r)
+    return next(r for r in row_counts if r > bad)
+
+
+def probe_decode_attention(head_dim: int, n_kv: int, group: int, seed: int = 0) -> str | None:
+    """None if the fused decode attention gives the general path's bits for decode groups of
+    this shape (items of one row, keys visible to all of them or not, several key lengths),
+    else why not."""
+    if kernels.lib() is None:
+        return f"no kernel ({kernels.why_not()})"
+    if head_dim not in kernels.HEAD_DIMS or group > kernels.GROUP_MAX:
+        return f"head dim {head_dim} / group {group} outside the kernel's range"
+    gen = torch.Generator().manual_seed(seed)
+    scale = head_dim ** -0.5
+    for positions in ((5, 70, 190), (130, 150, 191), (0, 63, 64)):
+        items, L = len(positions), 3 * KEY_ALIGN
+        q = torch.randn(items, n_kv * group, head_dim, generator=gen) * 3
+        keys = torch.randn(n_kv, items, L, head_dim, generator=gen)
+        vals = torch.cat([torch.randn(n_kv, items, L, head_dim, generator=gen), torch.ones(n_kv, items, L, 1)], -1)
+        lead = min(positions) // KEY_ALIGN * KEY_ALIGN
+        visible, hide = masks(lead, L, [[p] for p in positions])
+        g = AttnGroup(items=items, rows=1, nb=0, idx=torch.arange(items), dest=torch.arange(items), keep=None,
+                      lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long), decode=True,
+                      pos=torch.tensor(positions))
+        if not torch.equal(attend(q, keys, vals, g, scale, fused_decode=True),
+                           attend(q, keys, vals, g, scale, fused_decode=False)):
+            return "it does not give the general path's bits on this CPU"
+    return None
+
+
+# ---------------------------------------------------------------- the step
+
+@dataclass
+class Calibrated:
+    """What the startup calibration found: the runner and model read it, the log prints it."""
+    linears: dict[tuple, tuple[int, int | None]]   # Linear.shape_key -> (oneDNN floor, kernel k-block or None)
+    attention_floor: int                           # query rows per attention item, at least
+    fused_decode: str | None                       # None: a decode group's attention runs fused; else why not
+    cache: str = ""                                # what the cache did
+    lines: list[str] = field(default_factory=list)
+
+    def describe(self) -> list[str]:
+        floors = sorted({f for f, _ in self.linears.values()})
+        fast = sum(kb is not None for _, kb in self.linears.values())
+        kern = (f"equals oneDNN on {fast} of {len(self.linears)} linear shapes" if kernels.lib() is not None
+                else f"not used: {kernels.why_not()}")
+        return [self.cache,
+                f"row floors on this CPU: attention {self.attention_floor} per sequence, "
+                f"linears {'/'.join(map(str, floors))}",
+                f"linear kernel (calls of up to {kernels.MAX_ROWS} rows): {kern}",
+                "fused decode attention: " + ("used" if self.fused_decode is None else f"not used: {self.fused_decode}")]
+
+
+def calibrate(model, row_counts: list[int], cache: "Calibration | None" = None) -> Calibrated:
+    """Run every probe for `model` (or read it back from the cache, verified), apply what was
+    found to the model's linears and attention, and return it."""
+    cache = cache if cache is not None else Calibration.default()
+    linears: dict[tuple, tuple[int, int | None]] = {}
+    for lin in model.linears():
+        if lin.shape_key not in linears:
+            linears[lin.shape_key] = cache.linear(lin)
+        lin.calibrated(*linears[lin.shape_key])
+    floor = cache.attention(model.head_dim, model.group, row_counts)
+    fused = (probe_decode_attention(model.head_dim, model.n_kv, model.group) if floor == 1
+             else f"attention's floor is {floor} rows per item")
+    model.fused_decode = fused is None
+    cache.save()
+    return Calibrated(linears, floor, fused, cache.summary())
+
+
+# ---------------------------------------------------------------- the cache
 
 def _sources() -> bytes:
     here = Path(__file__).parent
-    return b"".join((here / f).read_bytes() for f in ("model.py", "narrow.py", "narrow.c", "calibration.py"))
+    return b"".join((here / f).read_bytes() for f in SOURCES)
 
 
 def _cpu() -> tuple[str, str]:
@@ -52,13 +208,12 @@ def _cpu() -> tuple[str, str]:
 def fingerprint() -> dict:
     """Everything the calibration's outcome depends on, weights excepted."""
     model, flags = _cpu()
-    lib = narrow.load()
     return {
         "format": FORMAT, "cpu": model, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "torch_config": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
         "threads": torch.get_num_threads(),
-        "narrow": narrow.library_path().name if lib is not None else f"none: {narrow.why_not()}",
+        "kernels": kernels.library_path().name if kernels.lib() is not None else f"none: {kernels.why_not()}",
         "code": hashlib.sha256(_sources()).hexdigest()[:16],
     }
 
@@ -86,12 +241,11 @@ class Calibration:
     def default(cls) -> "Calibration":
         return cls(None if os.environ.get("PROBITY_CALIBRATION") == "fresh" else cache_dir("calibration"))
 
-    def linear(self, lin) -> tuple[int, int | None]:
-        """(floor, kb) of this linear's shape and kind of call (see model.probe_linear)."""
-        from .model import probe_linear
-
+    def linear(self, lin: Linear) -> tuple[int, int | None]:
+        """(floor, kb) of this linear's shape and kind of call (see probe_linear)."""
         t0 = time.monotonic()
-        key = f"linear/{lin.out_features}x{lin.in_features}/bias={lin.b is not None}/residual={lin.residual}"
+        out_f, in_f, bias, residual = lin.shape_key
+        key = f"linear/{out_f}x{in_f}/bias={bias}/residual={residual}"
         got = self.entries.get(key)
         if isinstance(got, list) and len(got) == 2 and _verify_linear(lin, got[0], got[1]):
             self.reused += 1
@@ -105,8 +259,6 @@ class Calibration:
         return result
 
     def attention(self, head_dim: int, group: int, row_counts: list[int]) -> int:
-        from .model import attention_min_rows
-
         t0 = time.monotonic()
         key = f"attention/{head_dim}x{group}/" + hashlib.sha256(str(row_counts).encode()).hexdigest()[:12]
         got = self.entries.get(key)
@@ -143,9 +295,9 @@ class Calibration:
                 f"in {self.seconds:.2f}s{redone}; kept in {where}")
 
 
-def _verify_linear(lin, floor: object, kb: object) -> bool:
+def _verify_linear(lin: Linear, floor: object, kb: object) -> bool:
     """A cached (floor, kb) still gives a wide call's bits on fresh data: oneDNN at the floor's
-    count, narrow.c at VERIFY_NARROW rows."""
+    count, the kernel at VERIFY_NARROW rows."""
     if type(floor) is not int or floor < 1 or not (kb is None or type(kb) is int):
         return False
     if kb is not None and lin.packed is None:
@@ -155,13 +307,10 @@ def _verify_linear(lin, floor: object, kb: object) -> bool:
     x = torch.randn(wide_rows, lin.in_features, generator=gen)
     r = torch.randn(wide_rows, lin.out_features, generator=gen) if lin.residual else None
     wide = lin.gemm(x, r)
-
-    def rows(t, m):
-        return None if t is None else t[:m]
-    if not torch.equal(lin.gemm(x[:floor], rows(r, floor)), wide[:floor]):
+    if not torch.equal(lin.gemm(x[:floor], _rows(r, floor)), wide[:floor]):
         return False
     if kb is not None:
         for m in VERIFY_NARROW:
-            if not torch.equal(narrow.linear(x[:m], lin.packed, lin.out_features, kb, lin.b, rows(r, m)), wide[:m]):
+            if not torch.equal(kernels.linear(x[:m], lin.packed, lin.out_features, kb, lin.b, _rows(r, m)), wide[:m]):
                 return False
     return True

@@ -10,14 +10,16 @@ import traceback
 
 import torch
 
-from .core import Choice, EngineCore, Request
+from .core import EngineCore
+from .request import Choice, Request
 from .flags import EngineFlags
 from .loader import Loaded
 from .log import log
 from .model import UnsupportedModel
 from .pipe import Writer, open_pipe
 from .runner import ModelRunner, kv_blocks, resident_bytes
-from .sampler import new_generator, sample_many, top_tables
+from .sampler import new_generator, sample_many
+from .tables import top_tables
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .stop_text import StopText

@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 import torch
 
 from ..protocol import MAX_LOGPROBS
-from .sampler import with_chosen
+from .tables import with_chosen
 
 
 def chain(parent: bytes, tokens: list[int]) -> bytes:
@@ -131,6 +131,9 @@ class EchoCache:
         self.lp = torch.zeros(slots)
         self.ids = torch.zeros(slots, MAX_LOGPROBS, dtype=torch.int32)
         self.vals = torch.zeros(slots, MAX_LOGPROBS)
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in (self.next, self.width, self.lp, self.ids, self.vals))
 
     def void(self, slots: torch.Tensor) -> None:
         self.next[slots] = -1

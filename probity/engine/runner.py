@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import narrow
-from .calibration import Calibration
+from .attention import KEY_ALIGN, AttnGroup, Kept, masks
+from .calibration import Calibrated, Calibration, calibrate
 from .kv_cache import EchoCache
 from .log import log
-from .model import KEY_ALIGN, AttnGroup, Model
-from .sampler import top_lists, with_chosen
+from .model import Model
+from .tables import top_lists, with_chosen
 from .sequence import Sequence
 
 PROBE_ROWS = 512              # attention's row floor is measured against calls at least this wide
@@ -33,6 +33,13 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({row_bucket(n) for n in range(1, max_rows + 1)})
 
 
+def kv_blocks(cfg, gib: float, block_size: int) -> int:
+    """Blocks of `block_size` positions that `gib` of KV pool holds (with each position's hidden
+    state and echo entry), at least two: block 0 pads tables."""
+    per_block = (Model.bytes_per_token(cfg) + EchoCache.BYTES_PER_TOKEN) * block_size
+    return max(2, int(gib * (1 << 30)) // per_block + 1)
+
+
 @dataclass
 class SeqResult:
     """What one step produced for one sequence."""
@@ -41,11 +48,15 @@ class SeqResult:
     lp: torch.Tensor | None = None       # its log-softmax
 
 
-def kv_blocks(cfg, gib: float, block_size: int) -> int:
-    """Blocks of `block_size` positions that `gib` of KV pool holds (with each position's hidden
-    state and echo entry), at least two: block 0 pads tables."""
-    per_block = (Model.bytes_per_token(cfg) + EchoCache.BYTES_PER_TOKEN) * block_size
-    return max(2, int(gib * (1 << 30)) // per_block + 1)
+@dataclass(frozen=True)
+class HeadRow:
+    """A row the head runs over: a row of `rows` (the step's hidden rows, then echo rows read
+    back from the pool), for sequence `seq` of the batch, to sample from or for an echo entry."""
+    row: int
+    seq: int
+    sample: bool
+    position: int = 0   # echo: the prompt position the entry is for
+    slot: int = 0       # echo: the pool slot of the row before it (where the entry is cached)
 
 
 class ModelRunner:
@@ -56,27 +67,19 @@ class ModelRunner:
             torch.set_num_threads(threads)
         cfg = hf_model.config
         self.block_size = block_size
-        calibration = calibration or Calibration.default()
-        self.model = Model(hf_model, num_blocks, block_size, calibration)
+        self.model = Model(hf_model, num_blocks, block_size)
         self.echo = EchoCache(num_blocks * block_size)
-        # an item's attention rows: its new rows' row_bucket, at least `min_rows`, measured on
-        # this CPU's kernels for every bucket a step of up to `max_rows` rows can use. The
-        # buckets measured always reach PROBE_ROWS, so engines with any step budget agree with
-        # each other (each gives every count from its floor the bits of a common wide call;
-        # a budget of 3 rows alone would compare narrow calls only with narrow calls)
+        # an item's attention rows: its new rows' row_bucket, at least the floor calibration
+        # measures on this CPU's kernels for every bucket a step of up to `max_rows` rows can
+        # use. The buckets measured always reach PROBE_ROWS, so engines with any step budget
+        # agree with each other (each gives every count from its floor the bits of a common
+        # wide call; a budget of 3 rows alone would compare narrow calls only with narrow calls)
         self.max_rows = max_rows
+        self.calibrated: Calibrated = calibrate(self.model, row_buckets(max(max_rows, PROBE_ROWS)), calibration)
+        for line in self.calibrated.describe():
+            log(line)
+        self.min_rows = self.calibrated.attention_floor
         self.kept_keys_bytes = kept_keys_bytes
-        self.min_rows = calibration.attention(self.model.head_dim, self.model.group,
-                                              row_buckets(max(max_rows, PROBE_ROWS)))
-        calibration.save()
-        log(calibration.summary())
-        probes = self.model.linear_probes.values()
-        floors = sorted({f for f, _ in probes})
-        log(f"row floors on this CPU: attention {self.min_rows} per sequence, linears {'/'.join(map(str, floors))}")
-        fast = sum(kb is not None for _, kb in probes)
-        log(f"narrow linear kernel (calls of up to {narrow.MAX_ROWS} rows): "
-            + (f"equals oneDNN on {fast} of {len(probes)} linear shapes" if narrow.load() is not None
-               else f"not used: {narrow.why_not()}"))
         self.vocab_size = self.model.vocab_size
         ctx = int(getattr(cfg, "max_position_embeddings", 2048))
         window = getattr(cfg, "sliding_window", None)
@@ -88,9 +91,8 @@ class ModelRunner:
         # the decode group whose gathered keys the model keeps: its sequences (held, so their
         # identity cannot be reused), key blocks and block tables
         self.kept: tuple[list, int, list[list[int]]] | None = None
-        cfg_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kept_bytes_per_key = cfg.num_hidden_layers * cfg_kv * (2 * head_dim + 1) * 4
+        m = self.model
+        self.kept_bytes_per_key = len(m.layers) * m.n_kv * (2 * m.head_dim + 1) * 4
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -98,16 +100,15 @@ class ModelRunner:
     def memory(self) -> dict[str, int]:
         """Bytes the engine holds, by part (docs/engine.md, Memory)."""
         m = self.model
-        lins = [m.head] + [x for l in m.layers for x in (l.qkv, l.o, l.gate_up, l.down)]
+        lins = m.linears()
         onednn = sum(_nbytes(lin.w) + _nbytes(lin.b) for lin in lins)
-        narrow_copy = sum(_nbytes(lin.packed) for lin in lins)
+        kernel_copy = sum(_nbytes(lin.packed) for lin in lins)
         other = _nbytes(m.embed) + sum(_nbytes(t) for l in m.layers for t in (l.ln_in, l.ln_post, l.q_norm, l.k_norm))
-        return {"weights_onednn": onednn, "weights_narrow": narrow_copy, "weights_other": other,
+        return {"weights_onednn": onednn, "weights_kernels": kernel_copy, "weights_other": other,
                 "kv_pool": _nbytes(m.k_pool) + _nbytes(m.v_pool), "hidden_pool": _nbytes(m.h_pool),
-                "echo_cache": sum(_nbytes(t) for t in (self.echo.next, self.echo.width, self.echo.lp,
-                                                         self.echo.ids, self.echo.vals)),
-                "kept_keys_max": self.kept_keys_bytes, "resident": resident_bytes()}
+                "echo_cache": self.echo.nbytes(), "kept_keys_max": self.kept_keys_bytes, "resident": resident_bytes()}
 
+    # ------------------------------------------------------------ attention groups
     def _groups(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> list[AttnGroup]:
         """Sequences are attended together when their new rows fall in the same `row_bucket`
         and their key blocks in the same power-of-two bucket (decodes: one row each), so a step
@@ -123,7 +124,7 @@ class ModelRunner:
         for i, ((seq, n), nb) in enumerate(zip(batch, nbs)):
             rows = max(self.min_rows, row_bucket(n))
             buckets.setdefault((rows, 1 << (nb - 1).bit_length() if nb > self.align else nb), []).append(i)
-        groups = []
+        specs = []
         for (rows, _), members in buckets.items():
             nb = max(nbs[i] for i in members)
             idx, dest, keep, qpos, blocks = [], [], [], [], []
@@ -137,49 +138,43 @@ class ModelRunner:
                 used = seq.blocks[: self.blocks_for(a + n)]
                 blocks += used + [0] * (nb - len(used))
             # keys before the group's earliest query position are visible to all its rows: the
-            # slices of KEY_ALIGN keys before it are not masked. The mask is laid out as the
-            # scores are, [items, slices, rows, KEY_ALIGN], with the KV-head and query-head
-            # dims of the scores' view added as 1s (built once per step, not per layer)
+            # slices of KEY_ALIGN keys before it are not masked
             lead = min(p[0] for p in qpos) // KEY_ALIGN * KEY_ALIGN
-            keys = torch.arange(lead, nb * bs).view(-1, 1, KEY_ALIGN)
-            masked = keys[None] > torch.tensor(qpos)[:, None, :, None]
-            groups.append(AttnGroup(
+            visible, hide = masks(lead, nb * bs, qpos)
+            decode = all(batch[i][1] == 1 for i in members)
+            specs.append(dict(
                 items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
-                keep=None if len(keep) == len(idx) else torch.tensor(keep), lead=lead,
-                visible=(~masked).float()[None, :, :, None],
-                hide=torch.zeros(masked.shape).masked_fill_(masked, float("-inf"))[None, :, :, None],
-                blocks=torch.tensor(blocks)))
-            groups[-1].members = [batch[i][0] for i in members] if all(batch[i][1] == 1 for i in members) else None
-            if groups[-1].members is not None:
-                groups[-1].pos = torch.tensor([p[0] for p in qpos])
-        self._keep_decode_keys(groups)
-        return groups
+                keep=None if len(keep) == len(idx) else torch.tensor(keep), lead=lead, visible=visible, hide=hide,
+                blocks=torch.tensor(blocks), decode=decode, pos=torch.tensor([p[0] for p in qpos]) if decode else None,
+                members=[batch[i][0] for i in members]))
+        self._plan_kept_keys(specs)
+        return [AttnGroup(**{k: v for k, v in spec.items() if k != "members"}) for spec in specs]
 
-    def _keep_decode_keys(self, groups: list[AttnGroup]) -> None:
+    def _plan_kept_keys(self, specs: list[dict]) -> None:
         """Decoding sequences attend over keys gathered from the pool, and a gather is a copy of
         all of them every step. The largest decode group keeps its gathered keys (within
         --kept-keys-gib) and the next step writes only its new positions into them, as long as
         it holds the same sequences with the same key length and their tables have only grown."""
-        decode = [g for g in groups if g.members is not None]
-        g = max(decode, key=lambda g: g.items, default=None)
-        if g is None or g.items * g.nb * self.block_size * self.kept_bytes_per_key > self.kept_keys_bytes:
+        spec = max((s for s in specs if s["decode"]), key=lambda s: s["items"], default=None)
+        if spec is None or spec["items"] * spec["nb"] * self.block_size * self.kept_bytes_per_key > self.kept_keys_bytes:
             if self.kept is not None:
                 self.kept = None
                 self.model.drop_kept()
             return
-        bs = self.block_size
-        tables = [seq.blocks[: self.blocks_for(seq.num_computed + 1)] for seq in g.members]
+        members, nb = spec["members"], spec["nb"]
+        tables = [seq.blocks[: self.blocks_for(seq.num_computed + 1)] for seq in members]
         old = self.kept
-        if (old is not None and old[1] == g.nb and len(old[0]) == len(g.members)
-                and all(a is b for a, b in zip(old[0], g.members))
+        if (old is not None and old[1] == nb and len(old[0]) == len(members)
+                and all(a is b for a, b in zip(old[0], members))
                 and all(t[: len(o)] == o for t, o in zip(tables, old[2]))):
-            g.kept = "reuse"
-            L = g.nb * bs
-            g.new_at = torch.tensor([j * L + seq.num_computed for j, seq in enumerate(g.members)])
+            L = nb * self.block_size
+            spec["kept"] = Kept.REUSE
+            spec["new_at"] = torch.tensor([j * L + seq.num_computed for j, seq in enumerate(members)])
         else:
-            g.kept = "keep"
-        self.kept = (g.members, g.nb, tables)
+            spec["kept"] = Kept.KEEP
+        self.kept = (members, nb, tables)
 
+    # ------------------------------------------------------------ a step
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
         """The final hidden rows of every sequence's next `n` positions (whose blocks the
@@ -203,18 +198,32 @@ class ModelRunner:
         """Run one forward. `wants_sample(seq)` says whether a token is to be sampled once the
         sequence's positions are all computed. Does not advance `num_computed`."""
         hidden, starts = self.forward(batch)
-        # which rows need the head: (row, seq index, kind, position, slot). Echo rows come from
-        # the pool of final hidden states, so positions served by the prefix cache have theirs;
-        # positions whose entry the echo cache holds need no head at all.
-        bs = self.block_size
         results = [SeqResult() for _ in batch]
-        wanted: list[tuple[int, int, str, int, int]] = []
-        echo_slots = []
-        # an entry two sequences of this step both need (a block one fills and another shares
-        # in the same step): computed once, given to both
-        first: set[tuple] = set()
+        wanted, echo_slots, shared = self._head_rows(batch, starts, len(hidden), wants_sample, results)
+        rows = torch.cat([hidden, self.model.hidden_at(torch.tensor(echo_slots))]) if echo_slots else hidden
         computed: dict[tuple, tuple[float, list | None]] = {}
-        again: list[tuple[int, int, tuple]] = []
+        for c in range(0, len(wanted), self.head_rows):
+            self._head(batch, rows, wanted[c:c + self.head_rows], results, computed if shared else None)
+        for i, p, key in shared:
+            v, table = computed[key]
+            results[i].echo.append((p, v, None if table is None else list(table)))
+        for r in results:  # cached entries and computed ones, in position order
+            r.echo.sort(key=lambda e: e[0])
+        return results
+
+    def _head_rows(self, batch, starts: list[int], n_hidden: int, wants_sample,
+                   results: list[SeqResult]) -> tuple[list[HeadRow], list[int], list[tuple[int, int, tuple]]]:
+        """Which rows need the head: (rows, the pool slots of echo rows read back, echo entries
+        another sequence of the step computes). Echo rows come from the pool of final hidden
+        states, so positions served by the prefix cache have theirs; positions whose entry the
+        echo cache holds need no head at all (their entries go straight into `results`). An
+        entry two sequences of this step both need (a block one fills and another shares in the
+        same step) is computed once, given to both."""
+        bs = self.block_size
+        wanted: list[HeadRow] = []
+        echo_slots: list[int] = []
+        first: set[tuple] = set()
+        shared: list[tuple[int, int, tuple]] = []
         for i, (seq, n) in enumerate(batch):
             a = seq.num_computed
             if seq.echo_next:
@@ -227,44 +236,43 @@ class ModelRunner:
                     if hit is not None:
                         results[i].echo.append((p, *hit))
                     elif key in first:
-                        again.append((i, p, key))
+                        shared.append((i, p, key))
                     else:
                         first.add(key)
-                        wanted.append((len(hidden) + len(echo_slots), i, "echo", p, slot))
+                        wanted.append(HeadRow(n_hidden + len(echo_slots), i, False, p, slot))
                         echo_slots.append(slot)
             if a + n == len(seq.tokens) and wants_sample(seq):
-                wanted.append((starts[i] + n - 1, i, "sample", 0, 0))
-        rows = torch.cat([hidden, self.model.hidden_at(torch.tensor(echo_slots))]) if echo_slots else hidden
-        for c in range(0, len(wanted), self.head_rows):
-            chunk = wanted[c:c + self.head_rows]
-            logits = self.model.logits(rows[torch.tensor([w[0] for w in chunk])])
-            lp = torch.log_softmax(logits, dim=-1)
-            echo_rows: dict[int, list[int]] = {}
-            for j, (_, i, kind, p, _) in enumerate(chunk):
-                if kind == "sample":
-                    results[i].logits, results[i].lp = logits[j], lp[j]
-                else:
-                    echo_rows.setdefault(i, []).append(j)
-            for i, js in echo_rows.items():
-                seq = batch[i][0]
-                pos = [chunk[j][3] for j in js]
-                targets = [seq.prompt[p] for p in pos]
-                sub = lp[torch.tensor(js)]
-                vals = sub[torch.arange(len(js)), torch.tensor(targets)].tolist()
-                k = seq.request.sampling.logprobs
-                lists = top_lists(sub, k) if k is not None else None
-                self.echo.store([chunk[j][4] for j in js], targets, vals, k, lists)
-                tables = [with_chosen(ls, t, v) for ls, t, v in zip(lists, targets, vals)] if lists is not None else [None] * len(js)
-                results[i].echo += list(zip(pos, vals, tables))
-                if again:
-                    for j, t, v, table in zip(js, targets, vals, tables):
-                        computed[(chunk[j][4], t, k)] = (v, table)
-        for i, p, key in again:
-            v, table = computed[key]
-            results[i].echo.append((p, v, None if table is None else list(table)))
-        for r in results:  # cached entries and computed ones, in position order
-            r.echo.sort(key=lambda e: e[0])
-        return results
+                wanted.append(HeadRow(starts[i] + n - 1, i, True))
+        return wanted, echo_slots, shared
+
+    def _head(self, batch, rows: torch.Tensor, chunk: list[HeadRow], results: list[SeqResult],
+              computed: dict | None) -> None:
+        """The head and the log-softmax over one chunk of rows: a sampled row's logits go to its
+        result; echo rows become entries (value and table), stored in the echo cache and, where
+        another sequence of the step shares them, in `computed`."""
+        logits = self.model.logits(rows[torch.tensor([w.row for w in chunk])])
+        lp = torch.log_softmax(logits, dim=-1)
+        echo_rows: dict[int, list[int]] = {}
+        for j, w in enumerate(chunk):
+            if w.sample:
+                results[w.seq].logits, results[w.seq].lp = logits[j], lp[j]
+            else:
+                echo_rows.setdefault(w.seq, []).append(j)
+        for i, js in echo_rows.items():
+            seq = batch[i][0]
+            pos = [chunk[j].position for j in js]
+            targets = [seq.prompt[p] for p in pos]
+            sub = lp[torch.tensor(js)]
+            vals = sub[torch.arange(len(js)), torch.tensor(targets)].tolist()
+            k = seq.request.sampling.logprobs
+            lists = top_lists(sub, k) if k is not None else None
+            self.echo.store([chunk[j].slot for j in js], targets, vals, k, lists)
+            tables = ([with_chosen(ls, t, v) for ls, t, v in zip(lists, targets, vals)] if lists is not None
+                      else [None] * len(js))
+            results[i].echo += list(zip(pos, vals, tables))
+            if computed is not None:
+                for j, t, v, table in zip(js, targets, vals, tables):
+                    computed[(chunk[j].slot, t, k)] = (v, table)
 
 
 def _nbytes(t) -> int:

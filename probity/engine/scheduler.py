@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .core import Request
+from .request import Request
 from .kv_cache import BlockPool, chain
 from .sequence import Sequence, Status
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .core import Choice
+from .request import Choice
 
 
 class Status(enum.Enum):

@@ -13,14 +13,14 @@ from starlette.responses import JSONResponse
 
 from .. import protocol as P
 from ..protocol import Sampling
-from .assembly import TextBuilder, build_pieces
+from .pieces import TextBuilder, build_pieces
 from .capabilities import check_capabilities
 from .errors import APIError
 from .generation import Generation, Source, run_op
 from .validation import _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages, text_content
 
 if TYPE_CHECKING:
-    from .app import Service
+    from .service import Service
 
 
 PING_EVERY = 10.0  # seconds without an event before a ping keeps the stream alive

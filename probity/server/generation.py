@@ -18,7 +18,7 @@ from .engine_client import Channel
 from .errors import APIError
 
 if TYPE_CHECKING:
-    from .app import Service
+    from .service import Service
 
 log = logging.getLogger("probity.server")
 

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 
 from .. import protocol as P
-from .assembly import TextBuilder, build_pieces, chat_logprobs, completion_logprobs
+from .pieces import TextBuilder, build_pieces, chat_logprobs, completion_logprobs
 from .capabilities import check_capabilities
 from .generation import Generation, Source
 from .responses import json_answer
 from .validation import ChatRequest, CompletionRequest, parse_chat, parse_completion
 
 if TYPE_CHECKING:
-    from .app import Service
+    from .service import Service
 
 
 def sse(obj) -> bytes:

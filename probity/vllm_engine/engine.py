@@ -21,7 +21,8 @@ import sys
 import time
 import traceback
 
-from ..engine.core import Choice, EngineCore, Request
+from ..engine.core import EngineCore
+from ..engine.request import Choice, Request
 from ..engine.flags import EngineFlags
 from ..engine.loader import folder_digest
 from ..engine.log import log

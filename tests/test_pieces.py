@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probity.server.assembly import TextBuilder, build_pieces, chat_logprobs, completion_logprobs, own_label
+from probity.server.pieces import TextBuilder, build_pieces, chat_logprobs, completion_logprobs, own_label
 
 texts = st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=0x1F9FF, blacklist_categories=("Cs",)),
                 min_size=1, max_size=40)

@@ -1,12 +1,13 @@
-/* probity's own kernels (loaded by probity/engine/narrow.py): the small-row linear below, then
- * attention's narrow GEMMs, a decode group's attention, the RMS norm and the rotary embedding.
+/* probity's own CPU kernels (built and called by probity/engine/kernels/): the small-row linear
+ * below, then attention's narrow GEMMs, a decode group's attention, the RMS norm and the rotary
+ * embedding.
  *
  * The small-row linear: y = x W^T (+ b) (+ r) for a few rows, with every output
  * element reduced in the order oneDNN's fp32 GEMM reduces it on the CPUs measured so far:
  * one fused multiply-add chain over k, starting from zero, restarted every `kb` values of k
  * (the block partial sums are then added in order), then the bias, then the residual.
  * Equal order means equal bits: the engine checks that at startup, shape by shape, against
- * oneDNN itself (probity/engine/narrow.py) and uses this kernel only where they agree.
+ * oneDNN itself (probity/engine/calibration.py) and uses this kernel only where they agree.
  *
  * Why: below ~16 rows oneDNN runs far under the memory bound (a decode step streams every
  * weight once for a handful of rows). This kernel streams the weights once per call, laid
@@ -18,7 +19,16 @@
 #include <stdint.h>
 #include <math.h>
 
-#define NB 16
+/* The shared constants come from kernels/build.py (-D), which takes them from the Python side,
+ * so each is written once: PANEL (outputs per packed weight panel), SLICE (attention's key
+ * slice), HD_MAX (largest head dim), G_MAX (largest query-head group). */
+#if !defined(PANEL) || !defined(SLICE) || !defined(HD_MAX) || !defined(G_MAX)
+#error "compile through probity/engine/kernels/build.py: it defines PANEL, SLICE, HD_MAX and G_MAX"
+#endif
+#if PANEL != 16
+#error "the linear kernel holds one panel in two 8-float registers: PANEL must be 16"
+#endif
+#define NB PANEL
 #define MR_MAX 6
 
 static inline __attribute__((always_inline)) void tile(
@@ -107,10 +117,9 @@ void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int
 }
 
 /* ---- attention's two GEMMs, in slices of 64 keys, for calls of few query rows ----------
- * The same sums as torch.matmul in model.score_gemm / value_gemm, each output one FMA chain
+ * The same sums as torch.matmul in kernels.score_gemm / value_gemm, each output one FMA chain
  * from zero over its reduction index in order: the order MKL's kernel was measured to use
- * for those calls from 4 rows on (model.py checks it at startup, like the linears). */
-#define SLICE 64
+ * for those calls from 4 rows on (calibration.py checks it at startup, like the linears). */
 
 /* 8 rows of 8 floats (row stride ld) -> out[t * SLICE + r] = in[r * ld + t] */
 static inline void transpose8(const float *in, int64_t ld, float *out)
@@ -134,8 +143,6 @@ static inline void transpose8(const float *in, int64_t ld, float *out)
     _mm256_store_ps(out + 6 * SLICE, _mm256_permute2f128_ps(u2, u6, 0x31));
     _mm256_store_ps(out + 7 * SLICE, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
-
-#define HD_MAX 256
 
 /* one slice's scores: ob[c][j] = sum_d qb[c][d] * kb[j][d] for its 64 keys, each one chain
  * over d in order (kt: scratch for the keys as columns) */
@@ -219,7 +226,7 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
 }
 
 /* ---- a decode group's attention in two calls, torch's exp between them ------------------
- * The same operations in the same order as model._attend's general path for a group of
+ * The same operations in the same order as attention.attend's general path for a group of
  * sequences with one query row each (so the same bits; the invariance tests compare them with
  * prefills): scaled queries, sliced scores, the maximum over visible keys, s - max clamped
  * at `floor`, masked keys past `lead` times 0; [exp]; masked keys times 0 again, the sliced
@@ -236,7 +243,7 @@ void probity_decode_scores(const float *q, const int64_t *row, const float *keys
     for (int64_t hj = 0; hj < KV * items; hj++) {
         const int64_t h = hj / items, j = hj % items;
         float kt[HD_MAX * SLICE] __attribute__((aligned(32)));
-        float qs[16 * HD_MAX];
+        float qs[G_MAX * HD_MAX];
         const float *qr = q + (row[j] * KV * G + h * G) * hd;
         for (int64_t i = 0; i < G * hd; i++) qs[i] = qr[i] * scale;
         float *o = out + hj * S * G * SLICE;
@@ -283,7 +290,7 @@ void probity_decode_values(float *e, const float *vals, const int64_t *pos, floa
                 }
                 value_row(ec, vals + (hj * L + s * SLICE) * W, ph + (s * G + g) * W, W);
             }
-        /* model.tree_sum: halves folded onto the first, a count that is not a power of two
+        /* attention.tree_sum: halves folded onto the first, a count that is not a power of two
          * treated as zero-padded to one */
         int64_t n = S, pw = 1;
         while (pw < n) pw <<= 1;
@@ -340,7 +347,7 @@ void probity_rms_norm(const float *x, const float *w, float *y, int64_t T, int64
     }
 }
 
-/* ---- rotary embedding: out = x * cos + rotate_half(x) * signed_sin, as model.rotate does it
+/* ---- rotary embedding: out = x * cos + rotate_half(x) * signed_sin, as kernels.rotate's torch path does it
  * (two rounded products, one rounded sum: the same bits). x: T rows of `heads` x hd floats
  * (row stride ldx, heads contiguous), cos/sin [T][hd], out [T][heads][hd] contiguous. */
 void probity_rotate(const float *x, int64_t ldx, const float *cos_, const float *sin_, float *out,
