@@ -58,3 +58,19 @@ def test_the_cache_key_holds_what_the_outcome_depends_on(tmp_path, monkeypatch):
     assert b.path != a.path and not b.entries
     monkeypatch.setenv("PROBITY_CALIBRATION", "fresh")
     assert C.Calibration.default().path is None
+
+
+def test_the_fused_decode_attention_is_used_only_where_it_gives_the_general_paths_bits(monkeypatch):
+    """The fused decode attention claims the general path's operations in its order; the
+    calibration checks the claim on this CPU. A kernel whose result is off by one part in 10^7
+    is caught and not used (then every decode takes the general path)."""
+    from probity.engine import kernels
+
+    if kernels.lib() is None:
+        assert C.probe_decode_attention(64, 3, 3) is not None
+        return
+    assert C.probe_decode_attention(64, 3, 3) is None      # the default model's shape
+    assert C.probe_decode_attention(16, 2, 2) is None      # the tests' tiny model
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: real(*a, **k) * (1 + 1e-7))
+    assert "general path" in C.probe_decode_attention(64, 3, 3)
