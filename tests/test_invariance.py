@@ -10,6 +10,7 @@ These run in-process on the runner's building blocks, so hypothesis can try many
 compositions quickly; tests/test_batching.py checks the same through the live server."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -178,14 +179,20 @@ def test_other_families_match_transformers_and_stay_invariant(family, tiny_model
     assert torch.equal(chunked, ours)
 
 
-@pytest.mark.parametrize("head_dim,group", [(16, 2), (64, 3), (64, 1), (128, 4)])
+ATTENTION_SHAPES = [(16, 2), (64, 3), (64, 1), (128, 4)]
+LINEAR_SHAPES = [
+    (3072, 576, False), (960, 576, False), (576, 576, True), (576, 1536, True), (49152, 576, False),  # default model
+    (128, 64, False), (64, 64, True), (256, 64, False), (64, 128, True), (400, 64, False),          # tests' tiny model
+]
+
+
+@pytest.mark.parametrize("head_dim,group", ATTENTION_SHAPES)
 def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
     """The runner pads every item's attention rows to a floor it measures at startup, because
     narrow GEMM calls may take another kernel (on an AMD EPYC both sliced attention GEMMs give
     rows 1-3 of a call other bits than from 4 on). Here, on other key lengths, item counts and
     data than the startup probe uses, every row count the runner can give an item from that
-    floor up returns the bits of the widest call, row by row; and a floor one bucket lower
-    would not hold wherever the measured one is above 1."""
+    floor up returns the bits of the widest call, row by row."""
     from probity.engine.attention import KEY_ALIGN
     from probity.engine.calibration import attention_min_rows
     from probity.engine.kernels import score_gemm, value_gemm
@@ -207,21 +214,46 @@ def test_attention_gemms_agree_from_the_measured_floor(head_dim, group):
                     and torch.equal(value_gemm(e[..., :c, :].contiguous(), vals), v_ref[..., :c, :]))
             if r >= floor:
                 assert same, f"{c} GEMM rows differ from the widest call although the floor is {floor} rows"
-            elif r == max(b for b in buckets if b < floor):
-                assert not same or L != 256, f"the floor {floor} is higher than needed: {r} rows agree"
 
 
-@pytest.mark.parametrize("out_f,in_f,residual", [
-    (3072, 576, False), (960, 576, False), (576, 576, True), (576, 1536, True), (49152, 576, False),  # default model
-    (128, 64, False), (64, 64, True), (256, 64, False), (64, 128, True), (400, 64, False),          # tests' tiny model
-])
+@pytest.mark.parametrize("head_dim,group", ATTENTION_SHAPES)
+def test_attention_floor_on_this_cpu_is_not_higher_than_needed(head_dim, group):
+    """Where this CPU's measured floor is above the lowest bucket, the bucket below it does
+    differ from the widest call on the probe's own key length. Where it is the lowest bucket
+    there is no narrower count to check, and the test says so (the probe's minimality is
+    checked on every CPU with a simulated GEMM: test_attention_min_rows_finds_...)."""
+    from probity.engine.attention import KEY_ALIGN
+    from probity.engine.calibration import attention_min_rows
+    from probity.engine.kernels import score_gemm, value_gemm
+    from probity.engine.runner import PROBE_ROWS, row_buckets
+
+    buckets = row_buckets(PROBE_ROWS)
+    floor = attention_min_rows(head_dim, group, buckets)
+    if floor == buckets[0]:
+        pytest.skip(f"this CPU's attention floor for head dim {head_dim}, group {group} is the lowest bucket "
+                    f"({floor}): no narrower call exists")
+    r = max(b for b in buckets if b < floor)
+    c, widest = r * group, buckets[-1] * group
+    gen = torch.Generator().manual_seed(0)   # as the probe: its key lengths, its data
+    differs = False
+    for L, items in ((KEY_ALIGN, 1), (3 * KEY_ALIGN, 3)):
+        keys = torch.randn(2, items, L, head_dim, generator=gen)
+        vals = torch.randn(2, items, L, head_dim + 1, generator=gen)
+        qs = torch.randn(2, items, widest, head_dim, generator=gen)
+        e = torch.rand(2, items, L // KEY_ALIGN, widest, KEY_ALIGN, generator=gen)
+        s_ref, v_ref = score_gemm(keys, qs), value_gemm(e, vals)
+        differs |= not (torch.equal(score_gemm(keys, qs[:, :, :c]), s_ref[..., :c, :])
+                        and torch.equal(value_gemm(e[..., :c, :].contiguous(), vals), v_ref[..., :c, :]))
+    assert differs, f"the floor {floor} is higher than needed: {r} rows agree"
+
+
+@pytest.mark.parametrize("out_f,in_f,residual", LINEAR_SHAPES)
 def test_linears_agree_from_the_measured_floor(out_f, in_f, residual):
     """A linear call narrower than the floor measured at startup for its shape is padded,
     because a CPU's kernel may reduce a lone row differently; calls of up to kernels.MAX_ROWS
     rows run through the kernel where the probe found it gives oneDNN's bits. Here, on other
     weights and inputs than the probe's, every row count from 1 to 40 and a few wide ones,
-    called as the model calls it, returns the bits of the same rows of a 700-row oneDNN call;
-    and one row fewer than a floor above 1 would not hold."""
+    called as the model calls it, returns the bits of the same rows of a 700-row oneDNN call."""
     from probity.engine.calibration import probe_linear
     from probity.engine.linear import Linear
 
@@ -236,10 +268,76 @@ def test_linears_agree_from_the_measured_floor(out_f, in_f, residual):
     for m in [*range(1, 41), 100, 333]:
         got = lin(x[:m], None if r is None else r[:m])
         assert torch.equal(got, wide[:m]), f"{m} rows differ from a wide call although the floor is {floor}"
-    if floor > 1:
-        m = floor - 1
-        assert not torch.equal(lin.gemm(x[:m], None if r is None else r[:m]), wide[:m]), \
-            f"the floor {floor} is higher than needed"
+
+
+@pytest.mark.parametrize("out_f,in_f,residual", LINEAR_SHAPES)
+def test_linear_floor_on_this_cpu_is_not_higher_than_needed(out_f, in_f, residual):
+    """Where this CPU's measured floor for a shape is above 1, the widest probed count below it
+    does differ from a wide call. Where it is 1 there is no narrower call, and the test says so
+    (the probe's minimality is checked on every CPU with a simulated GEMM:
+    test_probe_linear_finds_...)."""
+    from probity.engine.calibration import LINEAR_PROBE, LINEAR_PROBE_WIDE, probe_linear
+    from probity.engine.linear import Linear
+
+    gen = torch.Generator().manual_seed(out_f * 7 + in_f)
+    lin = Linear(torch.randn(out_f, in_f, generator=gen) / in_f ** 0.5, torch.randn(out_f, generator=gen),
+                 residual=residual)
+    floor, _ = probe_linear(lin)
+    if floor == 1:
+        pytest.skip(f"this CPU's linear floor for {out_f}x{in_f} is 1: no narrower call exists")
+    m = max(c for c in LINEAR_PROBE if c < floor)   # the widest probed count below the floor
+    x = torch.randn(LINEAR_PROBE_WIDE, in_f, generator=gen)
+    r = torch.randn(LINEAR_PROBE_WIDE, out_f, generator=gen) if residual else None
+    assert not torch.equal(lin.gemm(x[:m], None if r is None else r[:m]), lin.gemm(x, r)[:m]), \
+        f"the floor {floor} is higher than needed: {m} rows agree"
+
+
+def _differs_below(real, rows_of, need: int):
+    """`real`, except that a call narrower than `need` rows gives other bits (each output the
+    next float up): what a CPU whose kernel reduces narrow calls differently looks like."""
+    def gemm(*args, **kw):
+        y = real(*args, **kw)
+        return torch.nextafter(y, torch.full_like(y, math.inf)) if rows_of(args, y) < need else y
+    return gemm
+
+
+@pytest.mark.parametrize("need,floor", [(1, 1), (2, 2), (5, 5), (17, 17), (20, 24), (24, 24), (100, 128), (128, 128)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_probe_linear_finds_exactly_the_floor_a_gemm_needs(need, floor, residual, monkeypatch):
+    """On every CPU, whatever its own floors: a GEMM that gives calls narrower than `need` rows
+    other bits gets from the probe the smallest count it probes that is not below `need` --
+    not less (narrower calls would go unpadded), not more -- and the layer calibrated with it
+    pads narrower calls and returns the bits of the real wide call for every count."""
+    from probity.engine.calibration import LINEAR_PROBE, probe_linear
+    from probity.engine.linear import Linear
+
+    assert floor == min(c for c in LINEAR_PROBE if c >= need)
+    gen = torch.Generator().manual_seed(need)
+    lin = Linear(torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen), residual=residual)
+    real = lin.gemm
+    monkeypatch.setattr(lin, "gemm", _differs_below(real, lambda a, y: a[0].shape[0], need))
+    assert probe_linear(lin)[0] == floor
+    lin.calibrated(floor, None)   # oneDNN for every call: the padding path is what is checked
+    x = torch.randn(300, 64, generator=gen)
+    r = torch.randn(300, 96, generator=gen) if residual else None
+    wide = real(x, r)   # the unmodified GEMM
+    for m in [*range(1, 41), 100, 127, 128, 129]:
+        assert torch.equal(lin(x[:m], None if r is None else r[:m]), wide[:m]), m
+
+
+@pytest.mark.parametrize("which", ["score_gemm", "value_gemm"])
+@pytest.mark.parametrize("need", [1, 2, 4, 16, 48])
+def test_attention_min_rows_finds_exactly_the_floor_a_gemm_needs(which, need, monkeypatch):
+    """A score or value GEMM that gives calls of fewer than `need` rows per item other bits
+    gets exactly the floor `need` (a row bucket) from the probe."""
+    from probity.engine import kernels
+    from probity.engine.calibration import attention_min_rows
+    from probity.engine.runner import PROBE_ROWS, row_buckets
+
+    group, buckets = 2, row_buckets(PROBE_ROWS)
+    assert need in buckets
+    monkeypatch.setattr(kernels, which, _differs_below(getattr(kernels, which), lambda a, y: y.shape[-2], need * group))
+    assert attention_min_rows(64, group, buckets) == need
 
 
 def test_unsupported_family_is_refused_at_startup():

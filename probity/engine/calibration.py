@@ -53,7 +53,8 @@ def probe_linear(lin: Linear) -> tuple[int, int | None]:
 
     floor: the fewest rows a oneDNN call may have. Every row of a call with a count in
     LINEAR_PROBE is compared bit for bit with the same row of the LINEAR_PROBE_WIDE-row call,
-    and the smallest count from which every larger one agrees is returned.
+    and the smallest probed count from which every larger one agrees is returned (never a count
+    between two probed ones, which nothing showed to agree).
 
     kb: the k-block with which the linear kernel gives the wide call's bits for every count in
     KERNEL_PROBE_ROWS, or None (no candidate does, or there is no kernel here): then oneDNN
@@ -80,7 +81,7 @@ def probe_linear(lin: Linear) -> tuple[int, int | None]:
                                wide[:m]) for m in KERNEL_PROBE_ROWS):
                 kb = block
                 break
-    return bad + 1, kb
+    return next((m for m in LINEAR_PROBE if m > bad), LINEAR_PROBE_WIDE), kb
 
 
 def _rows(t: torch.Tensor | None, m: int) -> torch.Tensor | None:
