@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import pytest
 
 from conftest import TINY_ID, LiveServer
-from test_completions import ok
+from helpers import ok
 
 EOS_ID = "2"  # <|im_end|> in the tiny tokenizer
 NO_EOS = {EOS_ID: -100}  # reported values are raw: the bias only keeps sequences long

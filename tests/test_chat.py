@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import TINY_ID
-from test_completions import sse_events
+from helpers import label_id, reference_logprobs, sse_events, token_bytes
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
 
@@ -40,19 +41,38 @@ def test_chat_renders_the_models_own_template(tiny_server, tiny_hf):
     assert r["count"] == expected
 
 
-def test_chat_logprobs_entries_carry_exact_bytes(tiny_server):
+def test_chat_logprobs_entries_carry_exact_bytes(tiny_server, tiny_hf):
+    """At every position, not only where the sampled token is among the top 3: the entry's bytes
+    are its token's (the tokenizer's own byte table), its logprob is transformers' value, and
+    top_logprobs are transformers' best 3 with their own bytes. The sampled ids come from the
+    same draw asked of /v1/completions (same prompt ids, seed and sampling, id labels), whose
+    floats must be the chat answer's, bit for bit."""
+    _, tok = tiny_hf
     body = chat(tiny_server, max_tokens=12, temperature=1.0, seed=5, logprobs=True, top_logprobs=3).json()
     ch = body["choices"][0]
     content = ch["logprobs"]["content"]
     assert ch["logprobs"]["refusal"] is None
     assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8", errors="replace") == ch["message"]["content"]
-    for e in content:
+    ids = tiny_server.post("/tokenize", json={"model": TINY_ID, "messages": MSGS}).json()["tokens"]
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    same = tiny_server.post("/v1/completions", json={
+        "model": TINY_ID, "prompt": ids, "max_tokens": 12, "temperature": 1.0, "seed": 5, "logprobs": 3,
+        "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    assert len(content) == len(same["tokens"]) >= 1
+    gen = [label_id(t) for t in same["tokens"]]
+    ref = reference_logprobs(tiny_hf, ids + gen)
+    for j, (e, t, value, table) in enumerate(zip(content, gen, same["token_logprobs"], same["top_logprobs"])):
         assert set(e) == {"token", "logprob", "bytes", "top_logprobs"}
-        values = [t["logprob"] for t in e["top_logprobs"]]
-        assert len(values) == 3 and values == sorted(values, reverse=True)
-        for t in e["top_logprobs"]:
-            if bytes(t["bytes"]) == bytes(e["bytes"]):
-                assert t["logprob"] == e["logprob"]
+        assert bytes(e["bytes"]) == token_bytes(tok, t), j
+        assert e["logprob"] == value and abs(value - ref[len(ids) - 1 + j, t].item()) < 1e-5, j
+        top3 = list(table.items())[:3]                # sorted, most likely first
+        assert [x["logprob"] for x in e["top_logprobs"]] == [v for _, v in top3], j
+        assert [bytes(x["bytes"]) for x in e["top_logprobs"]] == [token_bytes(tok, label_id(k)) for k, _ in top3], j
+        row = ref[len(ids) - 1 + j]
+        best = torch.topk(row, 4)
+        for (k, v), rid, rv in zip(top3, best.indices.tolist(), best.values.tolist()):
+            assert abs(v - rv) < 1e-5, j                    # the k-th best value is transformers' k-th
+            assert label_id(k) == rid or abs(row[label_id(k)].item() - rv) < 1e-5, j   # its token, but for a tie
 
 
 def test_chat_logprobs_without_top(tiny_server):

@@ -2,39 +2,12 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
-import time
 
 import pytest
 import torch
 
 from conftest import TINY_ID
-
-
-def complete(server, **body):
-    body.setdefault("model", TINY_ID)
-    return server.post("/v1/completions", json=body)
-
-
-def ok(server, **body) -> dict:
-    r = complete(server, **body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def err(server, status=400, **body) -> dict:
-    r = complete(server, **body)
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert set(e) == {"message", "type", "param", "code"}
-    return e
-
-
-def reference_logprobs(tiny_hf, ids: list[int]) -> torch.Tensor:
-    model, _ = tiny_hf
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
+from helpers import PROBE_WORK, add, complete, engine_work, err, ok, reference_logprobs, sse_events
 
 
 # ------------------------------------------------------------------ SDK and shapes
@@ -155,15 +128,6 @@ def test_return_tokens_as_token_ids_labels(tiny_server):
 
 
 # ------------------------------------------------------------------ streaming
-
-def sse_events(resp_text: str) -> list:
-    out = []
-    for block in resp_text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
 
 def test_streamed_logprobs_equal_non_streamed(tiny_server):
     body = dict(prompt="Prices: 5€, naïve", max_tokens=10, echo=True, logprobs=2, temperature=0.8, seed=21)
@@ -292,32 +256,6 @@ def test_batch_prompt_token_budget_counts_real_tokens(tiny_model_dir):
         s.stop()
 
 
-PROBE = {"model": TINY_ID, "prompt": [5], "max_tokens": 1, "temperature": 0}
-PROBE_WORK = (1, 1)  # one forward pass over one prompt token
-
-
-def add(a: tuple, b: tuple) -> tuple:
-    return tuple(x + y for x, y in zip(a, b))
-
-
-def engine_work(server) -> tuple[int, int]:
-    """(forward_passes, prompt_tokens_computed) as the engine itself reports them, after
-    everything sent so far. STATS comes at most once a second while busy and once on going
-    idle, so a probe request is run and its idle STATS awaited: the figures then include
-    all earlier work, plus exactly PROBE_WORK."""
-    def now():
-        st = server.get("/health").json()["engine"]["stats"]
-        return st.get("forward_passes"), st.get("prompt_tokens_computed")
-
-    before = now()
-    assert server.post("/v1/completions", json=PROBE).status_code == 200
-    deadline = time.monotonic() + 30
-    while (after := now()) == before and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert after != before and None not in after, after
-    return after
-
-
 def test_batch_member_rejected_by_engine_is_named(tiny_server):
     e = err(tiny_server, prompt=["Hello", "Hello " * 300], max_tokens=4)
     assert (e["code"], e["param"]) == ("context_length_exceeded", "prompt[1]")
@@ -428,14 +366,25 @@ def test_out_of_range_fields_are_named(tiny_server, field, value, param, code):
     assert (e["param"], e["code"]) == (param, code)
 
 
-def test_logit_bias_and_penalties_change_sampling_not_logprobs(tiny_server):
-    common = dict(prompt="Hello", max_tokens=1, temperature=0, logprobs=32, return_tokens_as_token_ids=True)
+def test_logit_bias_and_penalties_change_sampling_not_logprobs(tiny_server, tiny_hf):
+    """A +100 bias makes a token far outside the top 32 the greedy choice; its reported value is
+    the model's raw one -- the same float an echo of that position reports (no bias there), and
+    transformers' value -- and the rest of its table is the unbiased table, float for float."""
+    prompt = tiny_server.post("/tokenize", json={"model": TINY_ID, "prompt": "Hello"}).json()["tokens"]
+    ref = reference_logprobs(tiny_hf, prompt)[-1]
+    order = torch.argsort(ref, descending=True).tolist()
+    t = order[40]                       # never in the unbiased top 32
+    assert ref[order[0]] - ref[t] < 50  # so a +100 bias surely makes it the greedy pick
+    label = f"token_id:{t}"
+    common = dict(prompt=prompt, max_tokens=1, temperature=0, logprobs=32, return_tokens_as_token_ids=True)
     base = ok(tiny_server, **common)["choices"][0]["logprobs"]
-    biased = ok(tiny_server, logit_bias={"5": 100}, **common)["choices"][0]["logprobs"]
-    assert base["tokens"][0] != "token_id:5" and biased["tokens"][0] == "token_id:5"
-    # reported values are the model's raw distribution: the bias moved the choice, not the numbers
-    assert biased["top_logprobs"][0]["token_id:5"] == base["top_logprobs"][0].get("token_id:5", biased["token_logprobs"][0])
-    assert biased["token_logprobs"][0] < max(base["top_logprobs"][0].values())
+    biased = ok(tiny_server, logit_bias={str(t): 100}, **common)["choices"][0]["logprobs"]
+    assert label not in base["top_logprobs"][0] and biased["tokens"] == [label]
+    raw = ok(tiny_server, prompt=prompt + [t], max_tokens=0, echo=True,
+             logprobs=1)["choices"][0]["logprobs"]["token_logprobs"][-1]
+    assert biased["token_logprobs"][0] == biased["top_logprobs"][0][label] == raw   # the identical float
+    assert abs(raw - ref[t].item()) <= 1e-5
+    assert {k: v for k, v in biased["top_logprobs"][0].items() if k != label} == base["top_logprobs"][0]
     pen = ok(tiny_server, prompt="Hello", max_tokens=12, temperature=0, frequency_penalty=2.0)["choices"][0]["text"]
     assert pen != ok(tiny_server, prompt="Hello", max_tokens=12, temperature=0)["choices"][0]["text"]
 
@@ -450,11 +399,15 @@ def test_reported_values_do_not_depend_on_temperature_or_top_p(tiny_server):
     a = ok(tiny_server, temperature=0, **common)["choices"][0]["logprobs"]
     b = ok(tiny_server, temperature=1.9, top_p=0.3, top_k=3, presence_penalty=1.5, **common)["choices"][0]["logprobs"]
     assert a == b
-    # and a sampled token's reported value is the raw one: the same as when echo scores it
+    # and a sampled token's reported value and table are the raw ones: the same floats as when
+    # echo scores that position (no temperature, top_p or penalty there)
     gen = ok(tiny_server, prompt="The quick", max_tokens=4, temperature=1.9, top_p=0.5, seed=4, logprobs=1,
              return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
     gen_ids = [int(t.split(":")[1]) for t in gen["tokens"]]
     prompt_ids = tiny_server.post("/tokenize", json={"prompt": "The quick"}).json()["tokens"]
-    scored = ok(tiny_server, prompt=prompt_ids + gen_ids, max_tokens=0, echo=True, logprobs=1)["choices"][0]["logprobs"]
-    for x, y in zip(gen["token_logprobs"], scored["token_logprobs"][len(prompt_ids):], strict=True):
-        assert abs(x - y) <= 1e-5
+    scored = ok(tiny_server, prompt=prompt_ids + gen_ids, max_tokens=0, echo=True, logprobs=1,
+                return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    n = len(prompt_ids)
+    assert len(gen["tokens"]) == 4 and scored["tokens"][n:] == gen["tokens"]
+    assert scored["token_logprobs"][n:] == gen["token_logprobs"]
+    assert scored["top_logprobs"][n:] == gen["top_logprobs"]

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import TINY_ID
-from test_completions import ok, reference_logprobs
+from helpers import ok, reference_logprobs
 
 EOS = "<|im_end|>"
 
@@ -103,18 +102,24 @@ def test_chat_reports_eos_entry_with_special_bytes_not_in_content(tiny_server, e
     assert r["usage"]["completion_tokens"] == 1
 
 
-def test_raw_eos_value_does_not_depend_on_the_bias(tiny_server, eos_id):
-    """The value reported for EOS is the model's raw one: the same with and without the bias
-    that made it be chosen (read from the unbiased request's top table)."""
-    base = {"model": TINY_ID, "prompt": "Numbers 0 1 2", "max_tokens": 1, "temperature": 0, "logprobs": 32}
+def test_raw_eos_value_does_not_depend_on_the_bias(tiny_server, tiny_hf, eos_id):
+    """The value reported for a bias-forced EOS is the model's raw one whether or not EOS is in
+    the unbiased top 32 (after this prompt it is far outside it): the same float as an echo of
+    that position reports (no bias there), transformers' value, and the forced table is the
+    unbiased table plus EOS, float for float."""
+    ids = tiny_server.post("/tokenize", json={"model": TINY_ID, "prompt": "Numbers 0 1 2"}).json()["tokens"]
+    base = {"model": TINY_ID, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 32,
+            "return_tokens_as_token_ids": True}   # id labels: no two entries collapse into one key
     free = ok(tiny_server, **base)["choices"][0]["logprobs"]
     forced = ok(tiny_server, **base, logit_bias={str(eos_id): 100})["choices"][0]["logprobs"]
-    assert forced["tokens"] == [EOS]
-    value = forced["token_logprobs"][0]
-    assert torch.isfinite(torch.tensor(value))
-    if EOS in free["top_logprobs"][0]:
-        assert free["top_logprobs"][0][EOS] == value
-    # the rest of the distribution is the same float for float
-    shared = set(free["top_logprobs"][0]) & set(forced["top_logprobs"][0])
-    assert all(free["top_logprobs"][0][k] == forced["top_logprobs"][0][k] for k in shared)
-    assert len(shared) >= 30
+    label = f"token_id:{eos_id}"
+    assert forced["tokens"] == [label]
+    raw = ok(tiny_server, model=TINY_ID, prompt=ids + [eos_id], max_tokens=0, echo=True,
+             logprobs=1)["choices"][0]["logprobs"]["token_logprobs"][-1]
+    assert forced["token_logprobs"][0] == forced["top_logprobs"][0][label] == raw
+    assert abs(raw - reference_logprobs(tiny_hf, ids)[-1, eos_id].item()) < 1e-5
+    free_t, forced_t = free["top_logprobs"][0], forced["top_logprobs"][0]
+    assert len(free_t) == 32 and len(forced_t) == 32 + (label not in free_t)
+    assert {k: v for k, v in forced_t.items() if k != label} == {k: v for k, v in free_t.items() if k != label}
+    if label in free_t:
+        assert free_t[label] == raw

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from conftest import TINY_ID, LiveServer
-from test_hostile_input import assert_named
+from helpers import assert_named
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from conftest import TINY_ID
+from helpers import assert_named, nothing_in_flight, sse_events
 from probity.server.errors import CODES
-from test_completions import sse_events
 
 JSON = {"content-type": "application/json"}
 USER = [{"role": "user", "content": "Hi"}]
@@ -22,22 +22,6 @@ def raw_post(server, path: str, body: dict | str, headers: dict | None = None) -
     # json.dumps escapes a lone surrogate as \udXXX (valid JSON); httpx's own encoder cannot
     data = body if isinstance(body, str) else json.dumps(body)
     return httpx.post(server.url + path, content=data.encode(), headers={**JSON, **(headers or {})}, timeout=60)
-
-
-def nothing_in_flight(server) -> None:
-    e = server.get("/health").json()["engine"]
-    assert (e["in_flight"], e["abandoned"]) == (0, 0), e
-
-
-def assert_named(r: httpx.Response, anthropic: bool, status: int, code: str, param: str | None) -> None:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json" and r.headers["x-request-id"]
-    j = r.json()
-    if anthropic:
-        assert j["type"] == "error" and j["error"]["type"] == CODES[code][2]
-        assert param is None or j["error"]["message"].startswith(f"{param}:"), j
-    else:
-        assert (j["error"]["code"], j["error"]["param"]) == (code, param), j
 
 
 S = "a\ud800b"  # a lone high surrogate; "\udc00" a lone low one
@@ -264,27 +248,26 @@ def test_include_usage_chunks_say_usage_null_until_the_last(tiny_server, path, b
     assert all("usage" not in c for c in plain[:-1])
 
 
-def test_a_chat_token_cut_by_a_stop_string_reports_its_own_bytes(tiny_server):
-    body = {"model": TINY_ID, "messages": USER, "max_tokens": 24, "temperature": 0, "logprobs": True}
+def test_a_chat_token_cut_by_a_stop_string_reports_its_own_bytes(tiny_server, tiny_hf):
+    """A multi-character token is forced (+100 bias at every step) and a stop string starts at its
+    second character: the answer's text keeps its first character, and its logprobs entry keeps
+    the whole token's bytes, label and value. The case is built, not searched for in whatever
+    the greedy text happens to be."""
+    _, tok = tiny_hf
+    word = max((t for t in tok.get_vocab() if t.isascii() and t.isalpha() and len(t) >= 3 and t[:2] != t[1:3]),
+               key=lambda t: (len(t), t))
+    tid = tok.convert_tokens_to_ids(word)
+    body = {"model": TINY_ID, "messages": USER, "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "logit_bias": {str(tid): 100}}
     full = tiny_server.post("/v1/chat/completions", json=body).json()["choices"][0]
     content = full["logprobs"]["content"]
-    text = full["message"]["content"]
-    # a multi-character token whose second character starts a stop string found nowhere earlier
-    at = 0
-    for i, e in enumerate(content):
-        t = bytes(e["bytes"]).decode("utf-8", errors="ignore")
-        if len(t) >= 2 and len(bytes(e["bytes"])) == len(t.encode()):
-            stop = text[at + 1: at + 3]
-            if len(stop) == 2 and text.find(stop) == at + 1:
-                break
-        at += len(bytes(e["bytes"]).decode("utf-8", errors="ignore"))
-    else:
-        pytest.skip("no multi-character token to cut in this greedy text")
+    assert full["message"]["content"] == word * 6 and bytes(content[0]["bytes"]) == word.encode()
+    stop = word[1:3]                       # first found at index 1: inside the first token
     cut = tiny_server.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()["choices"][0]
-    assert cut["finish_reason"] == "stop" and cut["message"]["content"] == text[: at + 1]
-    last = cut["logprobs"]["content"][-1]
-    assert last["bytes"] == content[i]["bytes"] and last["token"] == content[i]["token"]
-    assert last["logprob"] == content[i]["logprob"]
+    assert cut["finish_reason"] == "stop" and cut["message"]["content"] == word[0]
+    (last,) = cut["logprobs"]["content"]
+    assert last["bytes"] == content[0]["bytes"] and last["token"] == content[0]["token"] == word
+    assert last["logprob"] == content[0]["logprob"]
 
 
 # ------------------------------------------------------------------ the engine client itself

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from conftest import TINY_ID, LiveServer
-from test_hostile_input import assert_named, nothing_in_flight
+from helpers import assert_named, nothing_in_flight
 
 HASHES = 45855  # the default model's token of 80 '#'
 
@@ -64,6 +64,7 @@ def test_stop_strings_beyond_4096_characters_are_named(tiny_server, path, body, 
     assert_named(r, path == "/v1/messages", 400, "invalid_value", param)
 
 
+@pytest.mark.default_model
 def test_a_matched_stop_string_of_4096_characters_is_named_in_the_answer(default_server):
     """52 tokens of 80 '#' run into a 4,096-'#' stop: DONE names it (it once exceeded DONE's
     bound and restarted the engine), and the answer holds the text before it."""
@@ -82,6 +83,7 @@ def test_a_matched_stop_string_of_4096_characters_is_named_in_the_answer(default
     unrestarted(default_server, before)
 
 
+@pytest.mark.default_model
 def test_detokenize_beyond_the_result_bound_is_refused_by_name(default_server):
     before = health_engine(default_server)
     r = default_server.post("/detokenize", json={"tokens": [HASHES] * 600_000})  # 48 MB of text
@@ -116,6 +118,7 @@ def test_temperatures_that_overflow_sample_the_greedy_limit(tiny_server, extra):
             assert a["text"] == b["text"] and a["logprobs"] == b["logprobs"], t
 
 
+@pytest.mark.default_model
 def test_a_stop_cut_token_never_lends_its_value_to_another_label(default_server):
     """`stop: "Paris"` cuts " Paris" to " ", and " " is a token of its own: the table once
     said top[" "] = the value of " Paris" and relabelled the real " " token:216. Now the

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+import helpers
 from conftest import TINY_ID, LiveServer
+from helpers import delta, poll, samples, value
 
 KEY = {"Authorization": "Bearer k3y"}
 FORGED = "/v1/models/x%22,status=%22999%22%7D%2042%20%23"
@@ -22,22 +22,17 @@ TEMPLATES = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/mes
              "other"}
 
 
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def scrape(s: LiveServer) -> dict[tuple[str, tuple], float]:
-    r = s.get("/metrics", headers=KEY)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    return samples(r.text)
+    return helpers.scrape(s, KEY)
 
 
-def value(m: dict, name: str, **labels) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+def quiet_snapshot(s: LiveServer) -> tuple[dict, dict]:
+    """(scrape, engine STATS) with every engine series present, and nothing running while both
+    are read: one small request first (the engine sends its idle STATS just before its answer,
+    so a server that has answered holds the figures)."""
+    r = s.post("/v1/completions", {"model": TINY_ID, "prompt": "warm", "max_tokens": 1}, headers=KEY)
+    assert r.status_code == 200
+    return scrape(s), s.get("/health").json()["engine"]["stats"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +43,10 @@ def server(tiny_model_dir):
 
 
 def test_metrics_count_exactly_what_was_sent(server):
+    """Every count is the growth between two scrapes around known traffic, so the test holds
+    whatever this server saw before (another test, a restart, a rerun)."""
     s = server
+    before, stats0 = quiet_snapshot(s)
     prompt_tokens = completion_tokens = cached = 0
     for i in range(3):
         r = s.post("/v1/completions", {"model": TINY_ID, "prompt": f"Hello {i}", "max_tokens": 5 + i,
@@ -91,84 +89,84 @@ def test_metrics_count_exactly_what_was_sent(server):
     assert httpx.post(s.url + FORGED, headers=KEY).status_code == 405
 
     m = scrape(s)
-    req = "probity_http_requests_total"
-    assert value(m, req, route="/v1/completions", status="200") == 4
-    assert value(m, req, route="/v1/chat/completions", status="200") == 1
-    assert value(m, req, route="/v1/messages", status="200") == 1
-    assert value(m, req, route="/tokenize", status="200") == 1
-    assert value(m, req, route="/v1/completions", status="401") == 2
-    assert value(m, req, route="/v1/models", status="400") == 1
-    assert value(m, req, route="other", status="404") == 5
-    assert value(m, req, route="/v1/models/{model_id:path}", status="405") == 1
-    assert value(m, "probity_refused_requests_total", code="invalid_api_key") == 2
-    assert value(m, "probity_refused_requests_total", code="invalid_host") == 1
-    # the forged path planted nothing: every label comes from the bounded sets
-    for name, labels in m:
-        d = dict(labels)
-        assert set(d) <= {"route", "status", "code", "le"}, (name, d)
-        assert d.get("route", "other") in TEMPLATES, d
-        assert d.get("status", "200").isdigit() and d.get("status") != "999", d
-    assert not any(v == 42 for v in m.values())
 
-    assert value(m, "probity_prompt_tokens_total") == prompt_tokens
-    assert value(m, "probity_generation_tokens_total") == completion_tokens
-    assert value(m, "probity_prompt_tokens_cached_total") == cached
+    def d(name, **labels):
+        return delta(before, m, name, **labels)
+
+    req = "probity_http_requests_total"
+    assert d(req, route="/v1/completions", status="200") == 4
+    assert d(req, route="/v1/chat/completions", status="200") == 1
+    assert d(req, route="/v1/messages", status="200") == 1
+    assert d(req, route="/tokenize", status="200") == 1
+    assert d(req, route="/v1/completions", status="401") == 2
+    assert d(req, route="/v1/models", status="400") == 1
+    assert d(req, route="other", status="404") == 5
+    assert d(req, route="/v1/models/{model_id:path}", status="405") == 1
+    assert d("probity_refused_requests_total", code="invalid_api_key") == 2
+    assert d("probity_refused_requests_total", code="invalid_host") == 1
+    # the forged path planted nothing: every label comes from the bounded sets, and the only
+    # series that appeared since `before` are counters of requests and refusals
+    for name, labels in m:
+        dl = dict(labels)
+        assert set(dl) <= {"route", "status", "code", "le"}, (name, dl)
+        assert dl.get("route", "other") in TEMPLATES, dl
+        assert dl.get("status", "200").isdigit() and dl.get("status") != "999", dl
+    assert {name for name, _ in m.keys() - before.keys()} <= {req, "probity_refused_requests_total"}, \
+        m.keys() - before.keys()
+
+    assert d("probity_prompt_tokens_total") == prompt_tokens
+    assert d("probity_generation_tokens_total") == completion_tokens
+    assert d("probity_prompt_tokens_cached_total") == cached
     for h in ("probity_time_to_first_token_seconds", "probity_e2e_request_latency_seconds",
               "probity_request_queue_time_seconds", "probity_request_prefill_time_seconds",
               "probity_request_decode_time_seconds"):
-        assert value(m, h + "_count") == generate_requests, h
-        assert value(m, h + "_bucket", le="+Inf") == generate_requests, h
+        assert d(h + "_count") == generate_requests, h
+        assert d(h + "_bucket", le="+Inf") == generate_requests, h
     # one sample per generated sequence of two or more tokens; every request above made one
-    assert value(m, "probity_time_per_output_token_seconds_count") == generate_requests
-    assert value(m, "probity_engine_up") == 1 and value(m, "probity_engine_restarts_total") == 0
+    assert d("probity_time_per_output_token_seconds_count") == generate_requests
+    assert value(m, "probity_engine_up") == 1 and d("probity_engine_restarts_total") == 0
     assert value(m, "probity_queue_depth") == 0 and value(m, "probity_requests_active") == 0
 
-    # Engine-side figures arrive in STATS, sent when the engine goes idle: wait for that state.
-    deadline = time.monotonic() + 30
-    while True:
-        m = scrape(s)
-        stats = s.get("/health").json()["engine"]["stats"]
-        if value(m, "probity_engine_generated_tokens_total") == completion_tokens or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert value(m, "probity_engine_generated_tokens_total") == completion_tokens == stats["generated_tokens"]
-    assert value(m, "probity_engine_forward_passes_total") == stats["forward_passes"] > 0
-    assert value(m, "probity_engine_prompt_tokens_computed_total") == stats["prompt_tokens_computed"]
+    # Engine figures: the last answer was preceded by the engine's idle STATS, so the server
+    # holds them; no restart happened in between (checked above), so the engine's own counters
+    # and the exported totals grew by the same amounts.
+    stats = s.get("/health").json()["engine"]["stats"]
+    for field, name in (("generated_tokens", "probity_engine_generated_tokens_total"),
+                        ("forward_passes", "probity_engine_forward_passes_total"),
+                        ("prompt_tokens_computed", "probity_engine_prompt_tokens_computed_total")):
+        assert d(name) == stats[field] - stats0[field], name
+    assert d("probity_engine_generated_tokens_total") == completion_tokens
+    assert d("probity_engine_forward_passes_total") > 0
     assert value(m, "probity_num_requests_running") == 0 and value(m, "probity_num_requests_waiting") == 0
     # the engine reports its cache figures or it does not; never a made-up zero
     for field, name in (("prefix_query_tokens", "probity_prefix_cache_queries_total"),
                         ("prefix_hit_tokens", "probity_prefix_cache_hits_total")):
         assert ((name, ()) in m) == (field in stats)
         if field in stats:
-            assert m[(name, ())] == stats[field]
+            assert d(name) == stats[field] - stats0[field]
     if "kv_blocks_total" in stats:
         assert value(m, "probity_kv_cache_usage_perc") == stats["kv_blocks_used"] / stats["kv_blocks_total"]
     else:
         assert ("probity_kv_cache_usage_perc", ()) not in m
 
 
-def poll(fn, within: float = 60.0):
-    """fn() until it returns something truthy (the state reached), or fail after `within` s."""
-    deadline = time.monotonic() + within
-    while not (got := fn()):
-        assert time.monotonic() < deadline, "state not reached"
-        time.sleep(0.1)
-    return got
-
-
 def test_engine_counters_keep_counting_across_a_restart(server):
     s = server
-    before = poll(lambda: (m := scrape(s)) and ("probity_engine_generated_tokens_total", ()) in m and m)
-    os.kill(s.engine_pid(), signal.SIGKILL)
-    poll(lambda: s.get("/health").json()["engine"]["restarts"] == 1 and s.get("/health").status_code == 200)
+    before, _ = quiet_snapshot(s)
+    h0 = s.get("/health").json()["engine"]
+    os.kill(h0["pid"], signal.SIGKILL)
+    poll(lambda: (h := s.get("/health")).status_code == 200 and h.json()["engine"]["restarts"] == h0["restarts"] + 1,
+         what="the engine restarted once")
     r = s.post("/v1/completions", {"model": TINY_ID, "prompt": "Again", "max_tokens": 5, "temperature": 0},
                headers=KEY)
+    assert r.status_code == 200
     n = r.json()["usage"]["completion_tokens"]
-    want = value(before, "probity_engine_generated_tokens_total") + n
-    m = poll(lambda: (m := scrape(s)) and value(m, "probity_engine_generated_tokens_total") == want and m, 30)
-    assert value(m, "probity_engine_restarts_total") == 1 and value(m, "probity_engine_up") == 1
-    assert value(m, "probity_engine_forward_passes_total") > value(before, "probity_engine_forward_passes_total")
-    assert value(m, "probity_generation_tokens_total") == value(before, "probity_generation_tokens_total") + n
+    # the new engine's idle STATS came before its answer: the total already holds its tokens
+    m = scrape(s)
+    assert delta(before, m, "probity_engine_generated_tokens_total") == n
+    assert delta(before, m, "probity_engine_restarts_total") == 1 and value(m, "probity_engine_up") == 1
+    assert delta(before, m, "probity_engine_forward_passes_total") > 0
+    assert delta(before, m, "probity_generation_tokens_total") == n
 
 
 def test_counters_stay_exact_past_a_million_and_across_engine_restarts():

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY_ID, LiveServer
 from probity.engine.engine import BLOCK_SIZE as BLOCK
-from test_completions import PROBE_WORK, add, engine_work, ok
+from helpers import PROBE_WORK, add, engine_work, ok
 
 NO_EOS = {"2": -100}
 
