@@ -104,11 +104,12 @@ def token_bytes(tok, tid: int) -> bytes:
 # ------------------------------------------------------------------ waiting for a state
 
 
-def poll(fn, within: float = 60.0, what: str = "state"):
-    """fn() until it returns something truthy (the state reached), or fail after `within` s."""
+def poll(fn, within: float = 60.0, what="state"):
+    """fn() until it returns something truthy (the state reached), or fail after `within` s.
+    `what` names the state in the failure (a callable is called then, to show the last seen)."""
     deadline = time.monotonic() + within
     while not (got := fn()):
-        assert time.monotonic() < deadline, f"{what} not reached in {within}s"
+        assert time.monotonic() < deadline, f"{what() if callable(what) else what} not reached in {within}s"
         time.sleep(0.02)
     return got
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from conftest import LiveServer
+from helpers import poll
 
 FAKE = Path(__file__).parent / "fakes" / "fake_engine.py"
 hostile_log: list[Path] = []
@@ -123,12 +124,16 @@ def test_failed_write_to_the_engine_is_a_named_500_not_a_hang(hostile):
         r = first.result()
         assert r.status_code in (500, 503) and r.json()["error"]["code"] in ("engine_error", "engine_timeout")
     assert_recovers(hostile)
-    # the failed write and the EOF after it are one failure: one restart, and the new
-    # engine is left alone (it is not killed by a second, late restart)
     pid = hostile.engine_pid()
-    time.sleep(2.0)
-    h = hostile.get("/health").json()
-    assert h["status"] == "ok" and h["engine"]["pid"] == pid and h["engine"]["restarts"] == restarts + 1
+    # the failed write and the EOF after it are one failure: one restart, and the new engine is
+    # left alone (not killed by a second, late restart). Settled once the old engine's reader
+    # has ended (its EOF, the one thing that could restart it again, has been handled) and no
+    # restart is pending.
+    seen = []
+    h = poll(lambda: (h := seen.append(hostile.get("/health").json()) or seen[-1])["engine"]["readers"] == 1
+             and not h["engine"]["restart_pending"] and h["engine"]["state"] == "ready" and h,
+             30, lambda: f"a quiescent engine link (restarts before: {restarts}; last /health: {seen[-1]})")
+    assert h["status"] == "ok" and h["engine"]["restarts"] == restarts + 1 and h["engine"]["pid"] == pid
 
 
 MALFORMED = [  # client faults, each with its named 400 whatever the engine's state

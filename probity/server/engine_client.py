@@ -147,6 +147,8 @@ class EngineClient:
         self.ever_ready = False
         self._reader: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
+        self._readers: set[asyncio.Task] = set()    # read loops not finished (old engines' included)
+        self._restarting: set[asyncio.Task] = set()  # restarts scheduled or under way
         self._stopping = False
         self._broken_proc: asyncio.subprocess.Process | None = None
 
@@ -161,6 +163,8 @@ class EngineClient:
             *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             preexec_fn=_pdeathsig, start_new_session=True, limit=1 << 16)
         self._reader = asyncio.create_task(self._read_loop(self.proc))
+        self._readers.add(self._reader)
+        self._reader.add_done_callback(self._readers.discard)
 
     async def wait_first_ready(self) -> None:
         """Block until the first READY; raise if the engine dies before it. An engine that
@@ -245,6 +249,8 @@ class EngineClient:
             return
         if not self._stopping:
             self._restart_task = asyncio.create_task(self._restart())
+            self._restarting.add(self._restart_task)
+            self._restart_task.add_done_callback(self._restarting.discard)
 
     def _fail_all(self, err: APIError) -> None:
         self.abandoned.clear()
@@ -385,4 +391,5 @@ class EngineClient:
         return {"state": self.state, "restarts": self.restarts, "last_error": self.last_error,
                 "in_flight": len(self.channels), "abandoned": len(self.abandoned), "stats": self.stats,
                 "memory": (self.ready_info or {}).get("memory"),
-                "pid": self.proc.pid if self.proc else None}
+                "pid": self.proc.pid if self.proc else None,
+                "readers": len(self._readers), "restart_pending": bool(self._restarting)}
