@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import pytest
 
 from conftest import TINY_ID, LiveServer
-from helpers import ok
+from helpers import PROBE_WORK, engine_work, ok
 
 EOS_ID = "2"  # <|im_end|> in the tiny tokenizer
 NO_EOS = {EOS_ID: -100}  # reported values are raw: the bias only keeps sequences long
@@ -39,8 +39,26 @@ def run_concurrently(server) -> dict:
     return {p: (res[i], res[i + len(PROMPTS)]) for i, p in enumerate(PROMPTS)}
 
 
-def test_concurrent_requests_equal_each_alone(tiny_server, alone):
-    assert run_concurrently(tiny_server) == alone
+def with_passes(server, fn):
+    """(fn(), forward passes the engine ran for it), from the engine's own STATS, with no engine
+    restart in between (a new engine counts from 0)."""
+    restarts = server.get("/health").json()["engine"]["restarts"]
+    before = engine_work(server)
+    out = fn()
+    after = engine_work(server)
+    assert server.get("/health").json()["engine"]["restarts"] == restarts
+    return out, after[0] - before[0] - PROBE_WORK[0]
+
+
+def test_concurrent_requests_equal_each_alone_and_share_forward_passes(tiny_server, alone):
+    """Run together, every request gets its alone-run's floats, bit for bit -- and they really
+    ran together: one at a time, each forward pass samples at most one token, so the generated
+    tokens alone need as many passes; fewer passes means passes carried several requests' rows."""
+    got, passes = with_passes(tiny_server, lambda: run_concurrently(tiny_server))
+    assert got == alone
+    generated = sum(len(c["logprobs"]["tokens"]) for p in PROMPTS for c in got[p][0])
+    assert generated == 40 * len(PROMPTS)   # NO_EOS keeps every choice at max_tokens; echo generates none
+    assert passes < generated, (passes, generated)
 
 
 def test_tiny_prompt_chunks_change_nothing(tiny_model_dir, alone):
