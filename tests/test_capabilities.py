@@ -21,6 +21,21 @@ def less_server(tmp_path_factory):
     s.stop()
 
 
+def submits(s) -> list[str]:
+    """The SUBMIT frames the fake engine has logged, in the order it read them."""
+    return [line for line in s.frames.read_text().splitlines() if line.startswith("SUBMIT ")]
+
+
+def assert_no_submit_since(s, before: int) -> None:
+    """Nothing reached the engine since it had logged `before` SUBMITs: a request that does
+    reach it is sent now, and the pipe is ordered and the fake logs a frame before it answers,
+    so any SUBMIT sent earlier would be logged before this one's."""
+    r = s.post("/v1/completions", json={"model": "fake", "prompt": "sentinel", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    new = submits(s)[before:]
+    assert len(new) == 1 and '"sentinel"' in new[0], new
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "hi", "logprobs": 6}, "logprobs"),
     ({"prompt": "hi", "echo": True, "max_tokens": 1}, "echo"),
@@ -29,16 +44,18 @@ def less_server(tmp_path_factory):
     ({"prompt": ["a", "b", "c", "d", "e"]}, "prompt"),
 ])
 def test_undeclared_capability_is_named_before_any_submit(less_server, body, param):
+    before = len(submits(less_server))
     r = less_server.post("/v1/completions", json={"model": "fake", **body})
     e = r.json()["error"]
     assert r.status_code == 400 and (e["code"], e["param"]) == ("engine_capability_missing", param)
-    assert "SUBMIT" not in less_server.frames.read_text()
+    assert_no_submit_since(less_server, before)
 
 
 def test_chat_without_template_is_named(less_server):
+    before = len(submits(less_server))
     r = less_server.post("/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "engine_capability_missing"
-    assert "SUBMIT" not in less_server.frames.read_text()
+    assert_no_submit_since(less_server, before)
 
 
 def test_declared_capabilities_still_work(less_server):
@@ -47,11 +64,11 @@ def test_declared_capabilities_still_work(less_server):
 
 
 def test_unused_optional_fields_leave_submit_bytes_unchanged(less_server):
-    before = less_server.frames.read_text().count("SUBMIT")
+    before = len(submits(less_server))
     less_server.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 3})
     less_server.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 3, "temperature": 1.0,
                                               "top_p": 1, "n": 1, "stop": None, "logprobs": 0, "echo": False,
                                               "presence_penalty": 0, "frequency_penalty": 0, "user": "u",
                                               "logit_bias": {}, "stream": False, "group_score": None})
-    subs = [l.split(" ", 2)[2] for l in less_server.frames.read_text().splitlines() if l.startswith("SUBMIT")][before:]
+    subs = [line.split(" ", 2)[2] for line in submits(less_server)][before:]
     assert len(subs) == 2 and subs[0] == subs[1]
