@@ -50,6 +50,7 @@ LL_TOL, TOKEN_TOL, TIE = 1e-3, 1e-4, 1e-4
 PPL_REL_TOL = 1e-4  # 4 documents x 1e-3 over >= 150 words or 700 bytes each move them < 1e-5
 VARIANTS = {f"{'tokens' if tok else 'text'}-batch{b}": (tok, b) for tok in (True, False) for b in (1, 8)}
 PER_TOKEN_MC_DOCS = 6  # all 20 cost minutes of in-process forwards on a loaded machine
+pytestmark = pytest.mark.lm_eval
 
 
 @dataclass
@@ -80,14 +81,19 @@ def top2_gap(lp: torch.Tensor) -> float:
     return (top[0] - top[1]).item()
 
 
-def run_lm_eval(model_dir: Path, model_id: str, url: str, out: Path) -> dict:
-    """The hf reference and the four probity variants, in one lm-eval process."""
+def lm_eval_runs(model_dir: Path, model_id: str, url: str) -> dict:
+    """The hf reference and the four probity variants of one model, as lm_eval_runner runs them."""
     runs = {"hf": {"model": "hf", "batch_size": 8,
                    "model_args": f"pretrained={model_dir},dtype=float32,max_length={MAX_LENGTH}"}}
     for name, (tokenized, batch) in VARIANTS.items():
         runs[name] = {"model": "local-completions", "batch_size": batch,
                       "model_args": f"model={model_id},base_url={url}/v1/completions,num_concurrent=1,"
                                     f"max_retries=1,tokenized_requests={tokenized},max_length={MAX_LENGTH + 2}"}
+    return runs
+
+
+def run_lm_eval(runs: dict, out: Path) -> dict:
+    """Every run in one lm-eval process (its import and task indexing once)."""
     cfg = out / "runs.json"
     cfg.write_text(json.dumps({"tasks": TASKS, "include_path": str(TASKS_DIR), "runs": runs}))
     # one thread: the machine is shared, and oversubscribed torch threads crawl
@@ -99,24 +105,50 @@ def run_lm_eval(model_dir: Path, model_id: str, url: str, out: Path) -> dict:
     return json.loads((out / "out.json").read_text())
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.default_model)])
-def evals(request, tmp_path_factory) -> Evals:
+def _selected_models(request) -> list[str]:
+    """The `evals` params of this module's selected tests (under -m "not default_model" the
+    default model's are deselected, and it is neither started nor run)."""
+    return sorted({item.callspec.params["evals"] for item in request.session.items
+                   if item.module is request.module and hasattr(item, "callspec")
+                   and "evals" in item.callspec.params})
+
+
+def _model(request, name: str) -> tuple[Path, str, object]:
+    """(float32 folder, model id, live server) for `name`."""
+    if name == "tiny":
+        return request.getfixturevalue("tiny_model_dir"), TINY_ID, request.getfixturevalue("tiny_server")
+    from probity.engine.loader import DEFAULT_ID, converted_dir, default_model_path
+
+    server = request.getfixturevalue("default_server")   # its start converts the GGUF if no cache holds it
+    return converted_dir(default_model_path())[0], DEFAULT_ID, server
+
+
+@pytest.fixture(scope="module")
+def lm_eval_out(request, tmp_path_factory) -> dict:
+    """One lm-eval process for every selected model: its hf reference and four probity
+    variants each, keyed "model/run"."""
     assert LMEVAL_PY.exists(), "make setup installs lm-eval into .venv-lmeval"
+    runs = {}
+    for name in _selected_models(request):
+        folder, model_id, server = _model(request, name)
+        runs.update({f"{name}/{k}": v for k, v in lm_eval_runs(folder, model_id, server.url).items()})
+    out = run_lm_eval(runs, tmp_path_factory.mktemp("lm_eval"))
+    print("\nlm-eval: " + ", ".join(f"{name} {run['seconds']:.0f}s" for name, run in out.items()))
+    return out
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.default_model)])
+def evals(request, lm_eval_out) -> Evals:
+    folder, model_id, server = _model(request, request.param)
     if request.param == "tiny":
-        folder, model_id = request.getfixturevalue("tiny_model_dir"), TINY_ID
-        server = request.getfixturevalue("tiny_server")
         model, tok = request.getfixturevalue("tiny_hf")
     else:
-        from probity.engine.loader import DEFAULT_ID, converted_dir, default_model_path
-
-        server, model_id = request.getfixturevalue("default_server"), DEFAULT_ID
-        folder = converted_dir(default_model_path())[0]  # the server has converted it by now
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(folder)
-    out = run_lm_eval(folder, model_id, server.url, tmp_path_factory.mktemp(f"lm_eval_{request.param}"))
-    print(f"\nlm-eval on {model_id}: " + ", ".join(f"{name} {run['seconds']:.0f}s" for name, run in out.items()))
-    by_doc = {name: {t: {s["doc_id"]: s for s in run["samples"][t]} for t in TASKS} for name, run in out.items()}
-    runs = {name: (out[name]["results"], by_doc[name]) for name in out}
+    mine = {k.split("/", 1)[1]: v for k, v in lm_eval_out.items() if k.startswith(request.param + "/")}
+    assert mine, f"lm-eval ran nothing for {request.param}"
+    by_doc = {name: {t: {s["doc_id"]: s for s in run["samples"][t]} for t in TASKS} for name, run in mine.items()}
+    runs = {name: (mine[name]["results"], by_doc[name]) for name in mine}
     ref = runs.pop("hf")
     return Evals(ref, runs, Oracle(model, tok), server, model_id)
 
@@ -252,6 +284,31 @@ def test_every_sample_equals_lm_eval_in_process(evals, variant):
           + ", ".join(f"{k} {v:+.3g}" for k, v in deltas.items())
           + "; excused docs " + ", ".join(f"{t} {sorted(d)}" for t, d in excused.items() if d))
     assert not problems + mproblems, "\n".join((problems + mproblems)[:30])
+
+
+def test_the_four_variants_are_bit_identical(evals):
+    """Tokenized or text, batch 1 or 8: the same token sequences reach the same probity (lm-eval
+    uses probity's own /tokenize and /detokenize), whose numbers do not depend on what shares a
+    batch, so every logged response and every aggregate is the same float in all four -- not
+    merely each within LL_TOL of the reference. (out.json holds floats in repr precision, so
+    `!=` compares the floats lm-eval computed.)"""
+    names = list(VARIANTS)
+    first_res, first = evals.variants[names[0]]
+    problems = []
+    for name in names[1:]:
+        res, samples = evals.variants[name]
+        for task in TASKS:
+            assert samples[task].keys() == first[task].keys(), (name, task)
+            for doc_id, s in first[task].items():
+                for field in ("resps", "filtered_resps"):
+                    if samples[task][doc_id][field] != s[field]:
+                        problems.append(f"{name} {task} doc {doc_id} {field}: "
+                                        f"{samples[task][doc_id][field]} != {s[field]} ({names[0]})")
+            assert res[task].keys() == first_res[task].keys(), (name, task)
+            for key, v in first_res[task].items():
+                if res[task][key] != v and not (isinstance(v, float) and math.isnan(v) and math.isnan(res[task][key])):
+                    problems.append(f"{name} {task} {key}: {res[task][key]} != {v} ({names[0]})")
+    assert not problems, "\n".join(problems[:30])
 
 
 @pytest.mark.xfail(strict=True, reason="probity's generated text includes special tokens' text (e.g. "
