@@ -1,6 +1,7 @@
 """Fixtures: a tiny random-weight Llama with a real byte-level BPE tokenizer, and live servers."""
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -14,6 +15,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_ID = "tiny-llama"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# enforce_eager skips torch.compile: a cold start in seconds instead of minutes, same kernels' math
+VLLM_ARGS = ("--backend", "vllm", "--threads", "1", "--kv-cache-gib", "1", "--vllm-arg", "enforce_eager=true")
+DEFAULT_ARGS = ("--threads", "1")  # torch's default threads thrash on a shared 2-core box
+API_KEY = "k3y"  # the key of `keyed_server`
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -110,11 +116,79 @@ class LiveServer:
         self.log.close()
 
 
+class Servers:
+    """Live servers, one per set of flags and environment, started on first use and shared by
+    every test that asks for the same flags; restarted when a test has ended one (the next
+    get() sees the dead process), so no test depends on running before or after one that
+    kills its server. At most `keep` of them stay alive besides the pinned ones: each server on
+    the tiny model holds a 2 GiB KV pool (--kv-cache-gib), so the least recently used is
+    stopped first. A test that must end its own server takes a fresh() one, never shared."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.live: collections.OrderedDict[tuple, LiveServer] = collections.OrderedDict()
+        self.pinned: set[tuple] = set()
+        self.fresh_ones: list[LiveServer] = []
+
+    @staticmethod
+    def key(args, env) -> tuple:
+        return tuple(args), tuple(sorted((env or {}).items()))
+
+    def get(self, args, env: dict | None = None, *, pin: bool = False, startup: float = 180.0) -> LiveServer:
+        k = self.key(args, env)
+        s = self.live.pop(k, None)
+        if s is not None and s.proc.poll() is not None:   # a test ended it
+            s.stop()
+            s = None
+        if s is None:
+            unpinned = [other for other in self.live if other not in self.pinned]   # least recently used first
+            while len(unpinned) >= self.keep:
+                self.live.pop(unpinned.pop(0)).stop()
+            s = LiveServer(list(args), env=env, startup=startup)
+        else:
+            s.wait_ready(startup)   # a previous test may have left its engine restarting
+        self.live[k] = s
+        if pin:
+            self.pinned.add(k)
+        return s
+
+    def release(self, args, env: dict | None = None) -> None:
+        """Stop the shared server for these flags now (a test that needs the machine to itself)."""
+        k = self.key(args, env)
+        s = self.live.pop(k, None)
+        self.pinned.discard(k)
+        if s is not None:
+            s.stop()
+
+    def fresh(self, args, env: dict | None = None, **kw) -> LiveServer:
+        """A server of its own, for a test that ends it (it is stopped at the end of the session
+        at the latest)."""
+        s = LiveServer(list(args), env=env, **kw)
+        self.fresh_ones.append(s)
+        return s
+
+    def close(self) -> None:
+        while self.live:
+            self.live.popitem()[1].stop()
+        for s in self.fresh_ones:
+            s.stop()
+
+
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
+def servers():
+    s = Servers()
     yield s
-    s.stop()
+    s.close()
+
+
+def tiny_args(tiny_model_dir, *flags: str) -> list[str]:
+    """The flags of a server on the tiny model: `tiny_server`'s, then `flags`."""
+    return ["--model", str(tiny_model_dir), "--threads", "1", *flags]
+
+
+@pytest.fixture(scope="session")
+def tiny_server(servers, tiny_model_dir):
+    return servers.get(tiny_args(tiny_model_dir), pin=True)
 
 
 @pytest.fixture(scope="session")
@@ -135,8 +209,27 @@ def tiny_hf(tiny_model_dir):
     return model, tok
 
 
+@pytest.fixture
+def keyed_server(servers, tiny_model_dir) -> LiveServer:
+    """The tiny model behind --api-key API_KEY (shared by the modules that need a key)."""
+    return servers.get(tiny_args(tiny_model_dir, "--api-key", API_KEY))
+
+
 @pytest.fixture(scope="session")
-def default_server():
-    s = LiveServer(["--threads", "1"], startup=600)  # torch's default threads thrash on a shared 2-core box
-    yield s
-    s.stop()
+def default_server(servers):
+    return servers.get(DEFAULT_ARGS, pin=True, startup=600)
+
+
+@pytest.fixture(scope="session")
+def vllm_available() -> None:
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail("CI must have .venv-vllm: `make test` runs `make setup-vllm` first")
+        pytest.skip("vLLM is not set up here: run `make setup-vllm`")
+
+
+@pytest.fixture
+def vllm_server(servers, vllm_available) -> LiveServer:
+    """The vLLM backend on the default model, shared by every test (a vLLM start is the slow
+    part), and started again when a test has ended it."""
+    return servers.get(VLLM_ARGS, pin=True, startup=600)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY_ID, LiveServer
+from conftest import TINY_ID, LiveServer, tiny_args
 from soak import Soak, server_rss, settle
-from test_vllm_backend import vllm_server  # noqa: F401 (fixture)
 
 
 def run_soak(server: LiveServer, model: str, seconds: float, clients: int, kill_at: float) -> None:
@@ -31,8 +30,8 @@ def run_soak(server: LiveServer, model: str, seconds: float, clients: int, kill_
     assert rss1 - rss0 < 150 << 20, (rss0, rss1)
 
 
-def test_soak_on_probitys_engine(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
+def test_soak_on_probitys_engine(servers, tiny_model_dir):
+    s = servers.fresh(tiny_args(tiny_model_dir))   # its engine is SIGKILLed: not the shared tiny server
     try:
         run_soak(s, TINY_ID, seconds=30, clients=8, kill_at=12)
     finally:
@@ -40,5 +39,6 @@ def test_soak_on_probitys_engine(tiny_model_dir):
 
 
 @pytest.mark.vllm
-def test_soak_on_the_vllm_backend(vllm_server):  # noqa: F811
+@pytest.mark.default_model
+def test_soak_on_the_vllm_backend(vllm_server):
     run_soak(vllm_server, "SmolLM2-135M-Instruct", seconds=15, clients=4, kill_at=5)
