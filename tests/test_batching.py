@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import pytest
 
 from conftest import TINY_ID, LiveServer
-from helpers import PROBE_WORK, engine_work, ok
+from helpers import PROBE_WORK, engine_work, ok, poll
 
 EOS_ID = "2"  # <|im_end|> in the tiny tokenizer
 NO_EOS = {EOS_ID: -100}  # reported values are raw: the bias only keeps sequences long
@@ -146,37 +146,26 @@ def _status_kib(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-def test_engine_stats_are_fresh_once_a_cancelled_stream_leaves_it_idle(tiny_model_dir):
+def test_engine_stats_are_fresh_once_a_cancelled_stream_leaves_it_idle(tiny_server):
     """A stream the client abandons is cancelled; the engine, now idle, says so at once
     (before, /health kept showing one running sequence until the next request)."""
     import json
     import socket
-    import time
 
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
-    try:
-        # 16 choices with top tables, so the tiny model is still busy when the client leaves
-        body = json.dumps({"model": TINY_ID, "prompt": "Hello", "max_tokens": 240, "stream": True, "n": 16,
-                           "logprobs": 32, "logit_bias": NO_EOS}).encode()
-        c = socket.create_connection(("127.0.0.1", s.port), timeout=30)
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        assert c.recv(4096).startswith(b"HTTP/1.1 200")  # committed: the engine runs it
-        deadline = time.monotonic() + 30
-        while not s.get("/health").json()["engine"]["stats"].get("active") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert s.get("/health").json()["engine"]["stats"]["active"] == 16
-        c.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            h = s.get("/health").json()
-            if h["engine"]["in_flight"] == 0 and h["engine"]["stats"].get("active") == 0:
-                break
-            time.sleep(0.05)
-        assert h["engine"]["in_flight"] == 0
-        assert h["engine"]["stats"]["active"] == 0 and h["engine"]["stats"]["waiting"] == 0
-    finally:
-        s.stop()
+    s = tiny_server
+    # 16 choices with top tables, so the tiny model is still busy when the client leaves
+    body = json.dumps({"model": TINY_ID, "prompt": "Hello", "max_tokens": 240, "stream": True, "n": 16,
+                       "logprobs": 32, "logit_bias": NO_EOS}).encode()
+    c = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert c.recv(4096).startswith(b"HTTP/1.1 200")  # committed: the engine runs it
+    poll(lambda: s.get("/health").json()["engine"]["stats"].get("active"), 30, "the engine busy")
+    assert s.get("/health").json()["engine"]["stats"]["active"] == 16
+    c.close()
+    h = poll(lambda: (h := s.get("/health").json())["engine"]["in_flight"] == 0
+             and h["engine"]["stats"].get("active") == 0 and h, 30, "the engine idle")
+    assert h["engine"]["stats"]["active"] == 0 and h["engine"]["stats"]["waiting"] == 0
 
 
 def test_api_reports_the_engines_float32_values_exactly(tiny_server, tiny_model_dir):

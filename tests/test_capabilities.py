@@ -6,19 +6,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LiveServer
 
 FAKE = Path(__file__).parent / "fakes" / "fake_engine.py"
 
 
 @pytest.fixture(scope="module")
-def less_server(tmp_path_factory):
+def less_frames(tmp_path_factory) -> Path:
+    """The frames the fake engine reads, one line each, in order."""
     log = tmp_path_factory.mktemp("fake") / "frames.log"
     log.write_text("")
-    s = LiveServer(["--engine-command", f"{sys.executable} {FAKE} less {log}"], startup=30)
-    s.frames = log
-    yield s
-    s.stop()
+    return log
+
+
+@pytest.fixture
+def less_server(servers, less_frames):
+    s = servers.get(["--engine-command", f"{sys.executable} {FAKE} less {less_frames}"], startup=30)
+    s.frames = less_frames
+    return s
 
 
 def submits(s) -> list[str]:

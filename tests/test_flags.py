@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from conftest import TINY_ID, LiveServer
+from conftest import TINY_ID, tiny_args
 from helpers import assert_named
 
 
@@ -18,15 +18,13 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("probity-cache")
 
 
-@pytest.fixture(scope="module")
-def tight(tiny_model_dir, cache_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-logprobs", "3",
-                    "--max-batch-members", "2", "--batch-completion-tokens", "10", "--max-body", "2000",
-                    "--max-connections", "4", "--log-level", "warning", "--kv-cache-gib", "0.05",
-                    "--kept-keys-gib", "0", "--heap-keep-gib", "0"],
-                   env={"PROBITY_CACHE_DIR": str(cache_dir)})
-    yield s
-    s.stop()
+@pytest.fixture
+def tight(servers, tiny_model_dir, cache_dir):
+    return servers.get(tiny_args(tiny_model_dir, "--max-logprobs", "3", "--max-batch-members", "2",
+                                 "--batch-completion-tokens", "10", "--max-body", "2000", "--max-connections", "4",
+                                 "--log-level", "warning", "--kv-cache-gib", "0.05", "--kept-keys-gib", "0",
+                                 "--heap-keep-gib", "0"),
+                       env={"PROBITY_CACHE_DIR": str(cache_dir)})
 
 
 def complete(server, **body) -> httpx.Response:

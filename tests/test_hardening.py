@@ -9,15 +9,13 @@ import time
 import httpx
 import pytest
 
-from conftest import ROOT, TINY_ID, LiveServer
+from conftest import ROOT, TINY_ID, LiveServer, tiny_args
 
 
-@pytest.fixture(scope="module")
-def keyed(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--cors-origin", "https://app.example"],
-                   env={"PROBITY_API_KEY": "s3cret"})
-    yield s
-    s.stop()
+@pytest.fixture
+def keyed(servers, tiny_model_dir):
+    return servers.get(tiny_args(tiny_model_dir, "--cors-origin", "https://app.example"),
+                       env={"PROBITY_API_KEY": "s3cret"})
 
 
 def test_api_key_from_env_guards_every_route_but_health(keyed):
@@ -56,18 +54,14 @@ def test_cors_only_for_configured_origins(keyed):
     assert "access-control-allow-origin" not in r.headers
 
 
-def test_options_needs_the_key_when_no_cors_origin_is_set(tiny_model_dir):
+def test_options_needs_the_key_when_no_cors_origin_is_set(keyed_server):
     """Only a configured CORS layer answers preflights without a key; without one, OPTIONS is
     a request like any other and the key check holds."""
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--api-key", "k"])
-    try:
-        for path in ("/v1/completions", "/metrics", "/v1/models"):
-            r = httpx.options(s.url + path, headers={"Origin": "https://evil.example",
-                                                      "Access-Control-Request-Method": "POST"})
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
-            assert "access-control-allow-origin" not in r.headers
-    finally:
-        s.stop()
+    for path in ("/v1/completions", "/metrics", "/v1/models"):
+        r = httpx.options(keyed_server.url + path, headers={"Origin": "https://evil.example",
+                                                             "Access-Control-Request-Method": "POST"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        assert "access-control-allow-origin" not in r.headers
 
 
 def test_default_server_sends_no_cors_headers(tiny_server):

@@ -10,7 +10,7 @@ import httpx
 
 import pytest
 
-from conftest import TINY_ID, LiveServer
+from conftest import TINY_ID, tiny_args
 from helpers import assert_named, nothing_in_flight
 
 HASHES = 45855  # the default model's token of 80 '#'
@@ -136,13 +136,10 @@ def test_a_stop_cut_token_never_lends_its_value_to_another_label(default_server)
     assert top.get(" ", None) != lp["token_logprobs"][-1]
 
 
-@pytest.fixture(scope="module")
-def one_slot(tiny_model_dir):
+@pytest.fixture
+def one_slot(servers, tiny_model_dir):
     """One engine slot, no queue, and a 0.25 MiB response bound."""
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "1", "--max-queue", "0",
-                    "--max-response-mib", "0.25"])
-    yield s
-    s.stop()
+    return servers.get(tiny_args(tiny_model_dir, "--max-running", "1", "--max-queue", "0", "--max-response-mib", "0.25"))
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6

@@ -12,18 +12,16 @@ import httpx
 import pytest
 import torch
 
-from conftest import TINY_ID, LiveServer
+from conftest import API_KEY, TINY_ID
 
-KEY = "insp3ct"
+KEY = API_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEXT = "Prices: 5€ and  7¥.\nEmoji 😀 done"  # partial-UTF-8 and whitespace-only tokens
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--api-key", KEY])
-    yield s
-    s.stop()
+@pytest.fixture
+def server(keyed_server):
+    return keyed_server
 
 
 @pytest.fixture(scope="module")

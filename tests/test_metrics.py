@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 import helpers
-from conftest import TINY_ID, LiveServer
+from conftest import API_KEY, TINY_ID, LiveServer
 from helpers import delta, poll, samples, value
 
-KEY = {"Authorization": "Bearer k3y"}
+KEY = {"Authorization": f"Bearer {API_KEY}"}
 FORGED = "/v1/models/x%22,status=%22999%22%7D%2042%20%23"
 TEMPLATES = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
              "/detokenize", "/tokenizer_info", "/v1/models", "/v1/models/{model_id:path}", "/health", "/metrics",
@@ -35,11 +35,9 @@ def quiet_snapshot(s: LiveServer) -> tuple[dict, dict]:
     return scrape(s), s.get("/health").json()["engine"]["stats"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--api-key", "k3y"])
-    yield s
-    s.stop()
+@pytest.fixture
+def server(keyed_server):
+    return keyed_server
 
 
 def test_metrics_count_exactly_what_was_sent(server):

@@ -8,26 +8,22 @@ import random
 
 import pytest
 
-from conftest import TINY_ID, LiveServer
+from conftest import TINY_ID, tiny_args
 from probity.engine.engine import BLOCK_SIZE as BLOCK
 from helpers import PROBE_WORK, add, engine_work, ok
 
 NO_EOS = {"2": -100}
 
 
-@pytest.fixture(scope="module")
-def cold(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--no-prefix-cache"])
-    yield s
-    s.stop()
+@pytest.fixture
+def cold(servers, tiny_model_dir):
+    return servers.get(tiny_args(tiny_model_dir, "--no-prefix-cache"))
 
 
-@pytest.fixture(scope="module")
-def small_pool(tiny_model_dir):
+@pytest.fixture
+def small_pool(servers, tiny_model_dir):
     """Room for one full context and a little more: cached blocks are evicted all the time."""
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--kv-cache-gib", "0.0004"])
-    yield s
-    s.stop()
+    return servers.get(tiny_args(tiny_model_dir, "--kv-cache-gib", "0.0004"))
 
 
 def request(prompt, rng: random.Random) -> dict:

@@ -12,14 +12,21 @@ import time
 import httpx
 import pytest
 
-from conftest import TINY_ID, LiveServer
+from conftest import TINY_ID, LiveServer, tiny_args
+from helpers import delta, scrape
 
 
 @pytest.fixture
-def server(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "4"])
-    yield s
-    s.stop()
+def server(servers, tiny_model_dir):
+    """Shared by the tests that kill only its engine (each waits for the restart it caused, and
+    the next get() waits for a ready engine in any case)."""
+    return servers.get(tiny_args(tiny_model_dir, "--max-running", "4"))
+
+
+@pytest.fixture
+def one_running(servers, tiny_model_dir):
+    """The engine declares concurrency 1: one request runs, the next waits in the queue."""
+    return servers.get(tiny_args(tiny_model_dir, "--max-running", "1"))
 
 
 def pid_alive(pid: int) -> bool:
@@ -125,8 +132,8 @@ def test_sigkill_engine_mid_stream_ends_the_stream_cleanly(server):
     assert wait_for(lambda: server.get("/health").status_code == 200, 60)
 
 
-def test_sigkill_server_leaves_no_engine_behind(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
+def test_sigkill_server_leaves_no_engine_behind(servers, tiny_model_dir):
+    s = servers.fresh(tiny_args(tiny_model_dir))
     pid = s.engine_pid()
     os.kill(s.proc.pid, signal.SIGKILL)
     s.proc.wait()
@@ -135,12 +142,12 @@ def test_sigkill_server_leaves_no_engine_behind(tiny_model_dir):
 
 
 @pytest.mark.parametrize("how", ["sigterm-to-server", "ctrl-c-to-group"])
-def test_shutdown_signal_lets_in_flight_work_finish_then_stops_the_engine(tiny_model_dir, how):
+def test_shutdown_signal_lets_in_flight_work_finish_then_stops_the_engine(servers, tiny_model_dir, how):
     """SIGTERM to the server, or Ctrl-C in a terminal, which signals the whole foreground
     process group. The engine is not in that group: the server alone decides when the engine
     stops, so the graceful shutdown the server starts is not cut short by an engine killed
     under a running request."""
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1"])
+    s = servers.fresh(tiny_args(tiny_model_dir))
     pid = s.engine_pid()
     sig = signal.SIGTERM if how == "sigterm-to-server" else signal.SIGINT
     body = {**LONG, "max_tokens": 100, "stream": True, "stream_options": {"include_usage": True}}
@@ -180,20 +187,17 @@ def test_client_disconnect_cancels_engine_work_and_frees_capacity(server, stream
                     and h["engine"]["in_flight"] == 0 and h["engine"]["abandoned"] == 0, 10)
 
 
-def test_client_disconnect_while_queued_frees_its_place(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "1"])
-    try:
-        # the engine declares concurrency 1: one runs, the next waits in the queue
-        running = raw_request(s.port, slow_body())
-        assert wait_for(lambda: s.get("/health").json()["active"] == 1, 30)
-        queued = raw_request(s.port, slow_body())
-        assert wait_for(lambda: s.get("/health").json()["queued"] == 1, 30)
-        queued.close()
-        assert wait_for(lambda: s.get("/health").json()["queued"] == 0, 10)
-        running.close()
-        assert wait_for(lambda: s.get("/health").json()["active"] == 0, 10)
-    finally:
-        s.stop()
+def test_client_disconnect_while_queued_frees_its_place(one_running):
+    s = one_running
+    running = raw_request(s.port, slow_body())
+    assert wait_for(lambda: s.get("/health").json()["active"] == 1, 30)
+    queued = raw_request(s.port, slow_body())
+    assert wait_for(lambda: s.get("/health").json()["queued"] == 1, 30)
+    queued.close()
+    assert wait_for(lambda: s.get("/health").json()["queued"] == 0, 10)
+    running.close()
+    assert wait_for(lambda: (h := s.get("/health").json())["active"] == 0 and h["engine"]["in_flight"] == 0
+                    and h["engine"]["abandoned"] == 0, 10)
 
 
 def test_load_64_clients_against_a_small_queue(tiny_model_dir):
@@ -248,6 +252,10 @@ def test_waiting_past_the_queue_timeout_is_a_named_429(tiny_model_dir):
 
 
 def test_engine_stats_reach_health_and_metrics(server):
+    # counted from a quiet start (a small request first: the engine sends its idle STATS just
+    # before the answer), so the test holds whatever the shared server did before
+    assert server.post("/v1/completions", json={"model": TINY_ID, "prompt": "Hi", "max_tokens": 1}).status_code == 200
+    h0, m0 = server.get("/health").json()["engine"], scrape(server)
     # tokens_per_s covers the window between the engine's last two reports, so it is read
     # while the engine works (a report at least once a second): after the request, the idle
     # report's window may hold no sampled token at all (CI once saw 0.0 there)
@@ -259,44 +267,43 @@ def test_engine_stats_reach_health_and_metrics(server):
             time.sleep(0.05)
         r = done.result()
     assert r.status_code == 200 and max(rates) > 0
-    stats = server.get("/health").json()["engine"]["stats"]
-    assert stats["steps"] > 0 and stats["generated_tokens"] == r.json()["usage"]["completion_tokens"]
-    metrics = server.get("/metrics").text
-    assert "probity_engine_tokens_per_second" in metrics
-    assert f"probity_engine_generated_tokens_total {float(stats['generated_tokens'])}" in metrics
+    h = server.get("/health").json()["engine"]
+    stats, n = h["stats"], r.json()["usage"]["completion_tokens"]
+    assert h["restarts"] == h0["restarts"] and h["pid"] == h0["pid"]   # one engine's counts throughout
+    assert stats["steps"] > h0["stats"]["steps"] and stats["generated_tokens"] - h0["stats"]["generated_tokens"] == n
+    m = scrape(server)
+    assert ("probity_engine_tokens_per_second", ()) in m
+    assert delta(m0, m, "probity_engine_generated_tokens_total") == n
 
 
-def test_queue_is_fifo_and_reports_the_wait(tiny_model_dir):
-    s = LiveServer(["--model", str(tiny_model_dir), "--threads", "1", "--max-running", "1"])
-    try:
-        r = s.post("/v1/completions", {"model": TINY_ID, "prompt": "Hi", "max_tokens": 1})
-        assert r.status_code == 200 and 0 <= float(r.headers["x-queue-wait-ms"]) < 1000  # nobody ahead
-        running = raw_request(s.port, slow_body())
-        assert wait_for(lambda: s.get("/health").json()["active"] == 1, 30)
-        finished: list[str] = []
-        queued_by: dict[str, float] = {}  # a moment by which it was surely waiting
+def test_queue_is_fifo_and_reports_the_wait(one_running):
+    s = one_running
+    r = s.post("/v1/completions", {"model": TINY_ID, "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 200 and 0 <= float(r.headers["x-queue-wait-ms"]) < 1000  # nobody ahead
+    running = raw_request(s.port, slow_body())
+    assert wait_for(lambda: s.get("/health").json()["active"] == 1, 30)
+    finished: list[str] = []
+    queued_by: dict[str, float] = {}  # a moment by which it was surely waiting
 
-        def one(name: str):
-            r = s.post("/v1/completions", {"model": TINY_ID, "prompt": name, "max_tokens": 2}, timeout=120)
-            finished.append(name)
-            return r
+    def one(name: str):
+        r = s.post("/v1/completions", {"model": TINY_ID, "prompt": name, "max_tokens": 2}, timeout=120)
+        finished.append(name)
+        return r
 
-        with cf.ThreadPoolExecutor(3) as pool:
-            futures = {}
-            for k, name in enumerate(["first", "second", "third"], start=1):
-                futures[name] = pool.submit(one, name)
-                assert wait_for(lambda: s.get("/health").json()["queued"] == k, 30)  # in line before the next
-                queued_by[name] = time.monotonic()
-            time.sleep(0.3)  # a measurable wait, so the header's value can be checked against it
-            released = time.monotonic()
-            running.close()
-            results = {name: f.result() for name, f in futures.items()}
-        assert finished == ["first", "second", "third"]
-        waits = {name: float(r.headers["x-queue-wait-ms"]) for name, r in results.items()}
-        assert all(r.status_code == 200 for r in results.values())
-        for name, ms in waits.items():
-            # it waited at least from when it was seen queued until the running request let
-            # go, and at most as long as the whole request took
-            assert (released - queued_by[name]) * 1000 <= ms <= results[name].elapsed.total_seconds() * 1000, (name, ms)
-    finally:
-        s.stop()
+    with cf.ThreadPoolExecutor(3) as pool:
+        futures = {}
+        for k, name in enumerate(["first", "second", "third"], start=1):
+            futures[name] = pool.submit(one, name)
+            assert wait_for(lambda: s.get("/health").json()["queued"] == k, 30)  # in line before the next
+            queued_by[name] = time.monotonic()
+        time.sleep(0.3)  # a measurable wait, so the header's value can be checked against it
+        released = time.monotonic()
+        running.close()
+        results = {name: f.result() for name, f in futures.items()}
+    assert finished == ["first", "second", "third"]
+    waits = {name: float(r.headers["x-queue-wait-ms"]) for name, r in results.items()}
+    assert all(r.status_code == 200 for r in results.values())
+    for name, ms in waits.items():
+        # it waited at least from when it was seen queued until the running request let
+        # go, and at most as long as the whole request took
+        assert (released - queued_by[name]) * 1000 <= ms <= results[name].elapsed.total_seconds() * 1000, (name, ms)
