@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from probity.engine.engine import BLOCK_SIZE as BS
 from probity.engine.kv_cache import BlockPool
-from probity.engine.model import Model
+from probity.engine.model import UnsupportedModel, build
 from probity.engine.runner import ModelRunner
 
 
@@ -38,7 +38,7 @@ class Harness:
         # + the zero block; a step of up to 1,024 rows (the longest chunk here is 700)
         num_blocks = -(-tokens // BS) + 1
         self.pool = BlockPool(num_blocks, BS)
-        self.runner = ModelRunner(hf_model, num_blocks, BS, max_rows=1024)
+        self.runner = ModelRunner(build(hf_model), num_blocks, BS, max_rows=1024)
         self.vocab_size = self.runner.vocab_size
 
     def run(self, seqs: list[list[int]], plan: list[list[tuple[int, int]]]) -> list[torch.Tensor]:

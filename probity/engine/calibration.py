@@ -135,9 +135,9 @@ def probe_decode_attention(head_dim: int, n_kv: int, group: int, seed: int = 0) 
         vals = torch.cat([torch.randn(n_kv, items, L, head_dim, generator=gen), torch.ones(n_kv, items, L, 1)], -1)
         lead = min(positions) // KEY_ALIGN * KEY_ALIGN
         visible, hide = masks(lead, L, [[p] for p in positions])
-        g = AttnGroup(items=items, rows=1, nb=0, idx=torch.arange(items), dest=torch.arange(items), keep=None,
-                      lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long), decode=True,
-                      pos=torch.tensor(positions))
+        g = AttnGroup(items=items, rows=1, nb=0, length=L, idx=torch.arange(items), dest=torch.arange(items),
+                      keep=None, lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long),
+                      qpos=torch.tensor([[p] for p in positions]), decode=True, pos=torch.tensor(positions))
         if not torch.equal(attend(q, keys, vals, g, scale, fused_decode=True),
                            attend(q, keys, vals, g, scale, fused_decode=False)):
             return "it does not give the general path's bits on this CPU"

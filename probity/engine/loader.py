@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -40,18 +41,78 @@ def default_model_path() -> Path:
 
 
 def resolve(model: str) -> tuple[Path, str]:
-    """Map the --model argument to (path, served model id)."""
+    """Map the --model argument to (path, served model id): `default`, a model folder, a GGUF
+    file, a Hugging Face hub id (`org/name`, `org/name@revision`) from the local Hugging Face
+    cache, or an Ollama model name (`llama3.2:1b`) from the local Ollama store. Nothing is
+    downloaded: a model that is not on disk is a ModelNotFound saying where it looked."""
     if model in ("", "default"):
         return default_model_path(), DEFAULT_ID
-    path = Path(model).expanduser().resolve()
-    if not path.exists():
-        raise ModelNotFound(f"model path does not exist: {path}")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ModelNotFound(f"model file is not a .gguf: {path}")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ModelNotFound(f"model folder has no config.json: {path}")
-    name = path.stem if path.is_file() else path.name
-    return path, name
+    path = Path(model).expanduser()
+    if path.exists():
+        path = path.resolve()
+        if path.is_file() and not _is_gguf(path):
+            raise ModelNotFound(f"model file is not a GGUF file: {path}")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ModelNotFound(f"model folder has no config.json: {path}")
+        return path, path.stem if path.is_file() else path.name
+    looked = [f"no file or folder {path}"]
+    if _HUB_ID.fullmatch(model):
+        found = hub_snapshot(model, looked)
+        if found is not None:
+            return found, model.split("@")[0]
+    if _OLLAMA_NAME.fullmatch(model):
+        found = ollama_blob(model, looked)
+        if found is not None:
+            return found, model
+    raise ModelNotFound(f"model {model!r} not found: " + "; ".join(looked))
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+_OLLAMA_NAME = re.compile(r"[a-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?")
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def hub_snapshot(model: str, looked: list[str]) -> Path | None:
+    """A hub id's snapshot folder in the local Hugging Face cache (HF_HUB_CACHE, else
+    HF_HOME/hub, else ~/.cache/huggingface/hub): refs/<revision> names the commit, or the
+    revision is a commit itself; `main` when none is given."""
+    repo, _, revision = model.partition("@")
+    revision = revision or "main"
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or "~/.cache/huggingface") / "hub")
+    folder = hub.expanduser() / ("models--" + repo.replace("/", "--"))
+    ref = folder / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snap = folder / "snapshots" / commit
+    if (snap / "config.json").is_file():
+        return snap
+    looked.append(f"no snapshot {snap} with a config.json in the Hugging Face cache")
+    return None
+
+
+def ollama_blob(model: str, looked: list[str]) -> Path | None:
+    """An Ollama model name's GGUF blob in the local Ollama store (OLLAMA_MODELS, else
+    ~/.ollama/models): its manifest lists the layers, and the model layer's digest names the
+    blob."""
+    name, _, tag = model.partition(":")
+    if "/" not in name:
+        name = "library/" + name
+    store = Path(os.environ.get("OLLAMA_MODELS") or "~/.ollama/models").expanduser()
+    manifest = store / "manifests" / "registry.ollama.ai" / name / (tag or "latest")
+    try:
+        layers = json.loads(manifest.read_text())["layers"]
+        digest = next(x["digest"] for x in layers if x.get("mediaType") == "application/vnd.ollama.image.model")
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        looked.append(f"no Ollama manifest with a model layer at {manifest}")
+        return None
+    blob = store / "blobs" / digest.replace(":", "-")
+    if blob.is_file() and _is_gguf(blob):
+        return blob
+    looked.append(f"no GGUF blob {blob} in the Ollama store")
+    return None
 
 
 def cache_root() -> Path:
@@ -120,6 +181,9 @@ def load(model_arg: str) -> Loaded:
     else:
         folder, digest = path, folder_digest(path)
     log(f"loading {model_id} from {folder}")
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
+        log("warning: no safetensors in this folder: loading its PyTorch .bin weights (pickles; safetensors are "
+            "preferred wherever both exist)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
