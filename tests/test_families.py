@@ -143,3 +143,68 @@ def test_families_refused_by_name():
         with pytest.raises(UnsupportedModel) as e:
             build(hf)
         assert family in str(e.value) and why in str(e.value) and "--backend vllm" in str(e.value)
+
+
+# ---------------------------------------------------------------- through the server
+
+SERVED = ["gpt2", "gemma2", "mixtral"]
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def family_server(request, tiny_model_dir, tmp_path_factory):
+    """A tiny model of the family with the tests' real BPE tokenizer and chat template, saved
+    as sharded safetensors (model.safetensors.index.json), served by `probity serve --model`."""
+    from transformers import AutoTokenizer
+
+    family = request.param
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = dict(FAMILIES[family][0])
+    cfg["vocab_size" if family != "gpt2" else "vocab_size"] = len(tok)
+    hf = _tiny_with(family, cfg, tok)
+    folder = tmp_path_factory.mktemp(family) / family
+    hf.save_pretrained(folder, max_shard_size="200KB")
+    tok.save_pretrained(folder)
+    assert (folder / "model.safetensors.index.json").is_file()
+    s = LiveServer(["--model", str(folder), "--threads", "1", "--kv-cache-gib", "0.05"])
+    yield family, hf, tok, s
+    s.stop()
+
+
+def _tiny_with(family: str, cfg: dict, tok):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **cfg, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return hf
+
+
+def test_families_through_the_server(family_server):
+    """The general path end to end: echo logprobs against transformers in-process, the same
+    floats alone, in a prompt array and from the prefix cache, and a chat answer from the
+    checkpoint's own template."""
+    family, hf, tok, s = family_server
+    model_id = s.get("/v1/models").json()["data"][0]["id"]
+    prompt = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5}
+    first = s.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    ids = tok(prompt)["input_ids"]
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = [ref[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+    got = first["token_logprobs"][1:]
+    assert max(abs(a - b) for a, b in zip(got, want)) < TOL, family
+    again = s.post("/v1/completions", json=body).json()   # now from the prefix cache
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["logprobs"] == first
+    batch = s.post("/v1/completions", json={**body, "prompt": ["Hello there, friend.", prompt]}).json()
+    assert batch["choices"][1]["logprobs"] == first
+    chat = s.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 5, "temperature": 0,
+                                               "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1

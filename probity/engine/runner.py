@@ -182,6 +182,17 @@ class ModelRunner:
             + (f", with steps padded to a multiple of {PAD_ROWS} rows (unpadded, a forward of {bad[0][0]} rows "
                "gave other bits)" if bad else ""))
 
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds, by part (docs/engine.md, Memory)."""
+        m = self.model
+        lins = m.linears()
+        onednn = sum(_nbytes(lin.w) + _nbytes(lin.b) for lin in lins)
+        kernel_copy = sum(_nbytes(lin.packed) for lin in lins)
+        other = sum(_nbytes(t) for t in {id(t): t for t in m.weight_tensors()}.values())
+        return {"weights_onednn": onednn, "weights_kernels": kernel_copy, "weights_other": other,
+                "kv_pool": m.kv.nbytes(), "hidden_pool": _nbytes(self.hidden),
+                "echo_cache": self.echo.nbytes(), "kept_keys_max": self.kept_keys_bytes, "resident": resident_bytes()}
+
     # ------------------------------------------------------------ attention groups
     def _groups(self, batch: list[tuple[Sequence, int]], starts: list[int]) -> list[AttnGroup]:
         """Sequences are attended together when their new rows fall in the same `row_bucket`
