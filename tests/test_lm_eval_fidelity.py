@@ -1,7 +1,7 @@
 """lm-evaluation-harness through probity equals lm-evaluation-harness in-process, sample by sample.
 
 The reference is lm-eval's own in-process `hf` model on the float32 folder probity serves (the
-tiny test model's; the default model's GGUF as probity converts it, from its cache). The tasks
+tiny test model's; the default model's GGUF as transformers de-quantizes it, cached). The tasks
 in tests/lm_eval_tasks (multiple choice whose one-word answers after a chat prompt are mostly
 followed by <|im_end|>; rolling perplexity over documents longer than one window; greedy
 generation with `until`) also run through `local-completions` against a live probity, with
@@ -110,7 +110,7 @@ def evals(request, tmp_path_factory) -> Evals:
         from probity.engine.loader import DEFAULT_ID, converted_dir, default_model_path
 
         server, model_id = request.getfixturevalue("default_server"), DEFAULT_ID
-        folder = converted_dir(default_model_path())[0]  # the server has converted it by now
+        folder = converted_dir(default_model_path())[0]  # the GGUF de-quantized to float32 by transformers
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(folder)
     out = run_lm_eval(folder, model_id, server.url, tmp_path_factory.mktemp(f"lm_eval_{request.param}"))

@@ -36,8 +36,10 @@ class Engine(EngineCore):
         super().__init__(out, inbox)
         if flags.threads:
             torch.set_num_threads(flags.threads)
-        model = build_model(loaded.model)
-        loaded.model = None  # the model holds its own (prepacked) weights; free transformers' copy
+        t0 = time.monotonic()
+        model = build_model(loaded.model, config=loaded.config, weights=loaded.weights)
+        loaded.model = loaded.weights = None  # the model holds its own weights; free the loader's
+        log(f"weights ready in {time.monotonic() - t0:.1f}s")
         log(f"forward: {model_path(model)}")
         num_blocks = kv_blocks(model, flags.kv_cache_gib, BLOCK_SIZE)
         self.runner = ModelRunner(model, num_blocks, BLOCK_SIZE, max_rows=flags.step_tokens,

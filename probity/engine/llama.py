@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import stored
 from .attention import AttnGroup, PagedKV
+from .stored import StoredWeight
 from .kernels import rms_norm, rotate
 from .linear import Linear
 
@@ -48,9 +50,9 @@ def serves(config) -> str | None:
 
 @dataclass
 class Layer:
-    qkv: Linear
+    qkv: "Linear | Concat"
     o: Linear
-    gate_up: Linear
+    gate_up: "Linear | Concat"
     down: Linear
     ln_in: torch.Tensor
     ln_post: torch.Tensor
@@ -58,9 +60,49 @@ class Layer:
     k_norm: torch.Tensor | None
 
 
+class Concat:
+    """Projections that the model reads as one (q, k, v; gate, up) but whose weights could not
+    be joined (stored in different types): each computes its own columns, which is the same
+    per-output reduction as the joined call."""
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=1)
+
+
+def _joined(weights, names: list[str], biases: list[str] | None = None) -> Linear | Concat:
+    """One Linear over the rows of several weights where they can be joined as stored."""
+    ws = [_linear_weight(weights.get(n)) for n in names]
+    bs = [weights.get(b).float() for b in biases] if biases else None
+    bias = torch.cat(bs) if bs else None
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        return Linear(torch.cat(ws), bias)
+    if all(isinstance(w, StoredWeight) and w.kind == ws[0].kind and w.shape[0] % 16 == 0 for w in ws):
+        n = sum(w.shape[0] for w in ws)
+        return Linear(StoredWeight(ws[0].kind, (n, ws[0].shape[1]), torch.cat([w.packed for w in ws])), bias)
+    return Concat([Linear(w, None if bs is None else b) for w, b in zip(ws, bs or [None] * len(ws))])
+
+
+def _linear_weight(t):
+    """A linear layer's weight as probity keeps it: 16-bit tensors as stored, others float32."""
+    if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16):
+        return stored.from_tensor(t)
+    return t
+
+
+def _vector(t) -> torch.Tensor:
+    return t.detach().float()
+
+
 class LlamaModel:
-    def __init__(self, hf_model):
-        cfg = hf_model.config
+    """`weights`: the checkpoint's tensors by transformers name (checkpoint.py)."""
+
+    def __init__(self, cfg, weights):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         self.cfg = cfg
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -69,29 +111,30 @@ class LlamaModel:
         self.eps = float(cfg.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.fused_decode = False  # a decode group's attention in the kernel: where calibration finds it gives these bits
-        inner = hf_model.model
-        self.embed = inner.embed_tokens.weight.detach().float()
-        rot = inner.rotary_emb
+        embed = _linear_weight(weights.get("model.embed_tokens.weight"))
+        self.embed = embed if isinstance(embed, StoredWeight) else embed.float()
+        rot = LlamaRotaryEmbedding(cfg)
         self.inv_freq = rot.inv_freq.detach().float()
         self.rope_scaling = float(rot.attention_scaling)
-        self.norm = inner.norm.weight.detach().float()
-        self.head = Linear(hf_model.get_output_embeddings().weight)
+        self.norm = _vector(weights.get("model.norm.weight"))
+        head = "lm_head.weight" if weights.has("lm_head.weight") and not cfg.tie_word_embeddings else None
+        self.head = Linear(_linear_weight(weights.get(head)) if head else self.embed)
         self.vocab_size = self.head.out_features
         self.layers = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            cat_bias = None
-            if a.q_proj.bias is not None:
-                cat_bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            bias = [p + f"self_attn.{x}_proj.bias" for x in "qkv"] if weights.has(p + "self_attn.q_proj.bias") else None
+            o_bias = weights.get(p + "self_attn.o_proj.bias").float() if weights.has(p + "self_attn.o_proj.bias") else None
             self.layers.append(Layer(
-                qkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), cat_bias),
-                o=Linear(a.o_proj.weight, a.o_proj.bias, residual=True),
-                gate_up=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-                down=Linear(m.down_proj.weight, residual=True),
-                ln_in=layer.input_layernorm.weight.detach().float(),
-                ln_post=layer.post_attention_layernorm.weight.detach().float(),
-                q_norm=a.q_norm.weight.detach().float() if hasattr(a, "q_norm") else None,
-                k_norm=a.k_norm.weight.detach().float() if hasattr(a, "k_norm") else None,
+                qkv=_joined(weights, qkv, bias),
+                o=Linear(_linear_weight(weights.get(p + "self_attn.o_proj.weight")), o_bias, residual=True),
+                gate_up=_joined(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=Linear(_linear_weight(weights.get(p + "mlp.down_proj.weight")), residual=True),
+                ln_in=_vector(weights.get(p + "input_layernorm.weight")),
+                ln_post=_vector(weights.get(p + "post_attention_layernorm.weight")),
+                q_norm=_vector(weights.get(p + "self_attn.q_norm.weight")) if weights.has(p + "self_attn.q_norm.weight") else None,
+                k_norm=_vector(weights.get(p + "self_attn.k_norm.weight")) if weights.has(p + "self_attn.k_norm.weight") else None,
             ))
         self.hidden_size = cfg.hidden_size
         self.family = cfg.model_type
@@ -104,12 +147,18 @@ class LlamaModel:
         return PagedKV.bytes_per_token(len(self.layers), self.n_kv, self.head_dim)
 
     def linears(self) -> list[Linear]:
-        return [self.head] + [x for l in self.layers for x in (l.qkv, l.o, l.gate_up, l.down)]
+        out = [self.head]
+        for l in self.layers:
+            for x in (l.qkv, l.o, l.gate_up, l.down):
+                out += x.parts if isinstance(x, Concat) else [x]
+        return out
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """The weights other than the linears' (memory accounting)."""
-        return [self.embed, self.norm] + [t for l in self.layers for t in (l.ln_in, l.ln_post, l.q_norm, l.k_norm)
-                                          if t is not None]
+        """The weights other than the linears' (memory accounting; a stored embedding is the
+        head's weight too, counted with the linears)."""
+        embed = [self.embed] if isinstance(self.embed, torch.Tensor) else []
+        return embed + [self.norm] + [t for l in self.layers for t in (l.ln_in, l.ln_post, l.q_norm, l.k_norm)
+                                      if t is not None]
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -118,7 +167,7 @@ class LlamaModel:
         """Run the step's rows (all sequences' new tokens), writing their K/V into the pool at
         `slots`; returns the final hidden states [rows, hidden] (before the head)."""
         T = tokens.shape[0]
-        h = self.embed[tokens]
+        h = self.embed.rows(tokens) if isinstance(self.embed, StoredWeight) else self.embed[tokens]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling)[:, None, :]

@@ -164,18 +164,27 @@ def converted_dir(gguf: Path) -> tuple[Path, str]:
 
 @dataclass
 class Loaded:
-    model: object
+    model: object | None     # a transformers model, or None when the weights are read as stored
     tokenizer: object
     model_id: str
     source: str
     digest: str
+    config: object = None    # with `weights`: the checkpoint read as stored (checkpoint.GGUFWeights)
+    weights: object = None
 
 
 def load(model_arg: str) -> Loaded:
+    """The model and its tokenizer. A GGUF of a family probity's own forward serves is read as
+    stored (its quantized blocks stay quantized in memory; nothing is converted or written);
+    any other GGUF is converted once to float32 by transformers and cached; a model folder is
+    loaded in the dtype it is stored in (16-bit weights stay 16-bit: the engine expands them
+    exactly where it uses them)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     path, model_id = resolve(model_arg)
     t0 = time.monotonic()
+    if path.is_file() and _stored_gguf(path):
+        return _load_gguf(path, model_id, t0)
     if path.is_file():
         folder, digest = converted_dir(path)
     else:
@@ -184,17 +193,42 @@ def load(model_arg: str) -> Loaded:
     if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
         log("warning: no safetensors in this folder: loading its PyTorch .bin weights (pickles; safetensors are "
             "preferred wherever both exist)")
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto", local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelNotFound(f"cannot load model from {folder}: {e}") from None
+    import torch
+
+    if model.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        model = model.float()
     model.eval()
-    log(f"loaded {model_id} in {time.monotonic() - t0:.1f}s")
+    log(f"loaded {model_id} ({str(model.dtype).removeprefix('torch.')}) in {time.monotonic() - t0:.1f}s")
     return Loaded(model, tok, model_id, str(path), digest)
+
+
+def _stored_gguf(path: Path) -> bool:
+    """A GGUF that probity's own forward reads as stored: its family, its tensor types."""
+    from .checkpoint import STORED_ARCHITECTURES, gguf_architecture
+    from .stored import TYPES
+
+    arch, types = gguf_architecture(path)
+    return arch in STORED_ARCHITECTURES and all(t == "F32" or t in TYPES for t in types)
+
+
+def _load_gguf(path: Path, model_id: str, t0: float) -> Loaded:
+    from transformers import PreTrainedTokenizerFast
+
+    from .checkpoint import GGUFWeights, gguf_config
+
+    log(f"loading {model_id} from {path} (as stored)")
+    config = gguf_config(path)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    digest = file_sha256(path)
+    log(f"read {model_id}'s metadata and tokenizer in {time.monotonic() - t0:.1f}s")
+    return Loaded(None, tok, model_id, str(path), digest, config, GGUFWeights(path, config))
 
 
 def folder_digest(folder: Path) -> str:

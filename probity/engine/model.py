@@ -4,6 +4,7 @@ applies, else transformers' own modules with probity's invariant pieces plugged 
 from __future__ import annotations
 
 from . import llama
+from .checkpoint import ModuleWeights
 from .llama import LlamaModel
 from .transformers_model import TransformersModel, Unsupported
 
@@ -12,10 +13,16 @@ class UnsupportedModel(Exception):
     pass
 
 
-def build(hf_model) -> LlamaModel | TransformersModel:
-    if llama.serves(hf_model.config) is None:
-        return LlamaModel(hf_model)
-    family = getattr(hf_model.config, "model_type", type(hf_model).__name__)
+def build(hf_model=None, *, config=None, weights=None) -> LlamaModel | TransformersModel:
+    """The forward for a loaded transformers model, or for a checkpoint read as stored
+    (`config` and `weights`, checkpoint.py: only probity's own forward reads those)."""
+    if hf_model is not None:
+        config, weights = hf_model.config, ModuleWeights(hf_model)
+    if llama.serves(config) is None:
+        return LlamaModel(config, weights)
+    family = getattr(config, "model_type", type(hf_model).__name__)
+    if hf_model is None:
+        raise UnsupportedModel(f"model type {family!r} is read as stored only by probity's own forward")
     try:
         return TransformersModel(hf_model)
     except Unsupported as e:

@@ -12,6 +12,7 @@ import torch
 from .attention import KEY_ALIGN, AttnGroup, Kept, masks
 from .calibration import Calibrated, Calibration, calibrate
 from .kv_cache import EchoCache
+from .linear import scratch_bytes
 from .log import log
 from .model import UnsupportedModel
 from .tables import top_lists, with_chosen
@@ -185,11 +186,12 @@ class ModelRunner:
     def memory(self) -> dict[str, int]:
         """Bytes the engine holds, by part (docs/engine.md, Memory)."""
         m = self.model
-        lins = m.linears()
-        onednn = sum(_nbytes(lin.w) + _nbytes(lin.b) for lin in lins)
-        kernel_copy = sum(_nbytes(lin.packed) for lin in lins)
+        parts = {"weights_onednn": 0, "weights_kernels": 0, "weights_stored": 0}
+        for lin in {id(lin): lin for lin in m.linears()}.values():
+            for k, v in lin.weight_bytes().items():
+                parts[k] += v
         other = sum(_nbytes(t) for t in {id(t): t for t in m.weight_tensors()}.values())
-        return {"weights_onednn": onednn, "weights_kernels": kernel_copy, "weights_other": other,
+        return {**parts, "weights_other": other, "weights_scratch": scratch_bytes(),
                 "kv_pool": m.kv.nbytes(), "hidden_pool": _nbytes(self.hidden),
                 "echo_cache": self.echo.nbytes(), "kept_keys_max": self.kept_keys_bytes, "resident": resident_bytes()}
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import stored
 from .attention import AttnGroup, PagedKV
 from .linear import Linear
 
@@ -41,12 +42,17 @@ class Unsupported(Exception):
 
 # ---------------------------------------------------------------- plugged-in pieces
 
+def _kept(weight: torch.Tensor):
+    """A weight as probity keeps it: 16-bit as stored, anything else float32."""
+    return stored.from_tensor(weight) if weight.dtype in (torch.bfloat16, torch.float16) else weight
+
+
 class InvariantLinear(nn.Module):
     """A linear layer through probity's Linear, whatever the leading dims of its input."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.lin = Linear(weight, bias)
+        self.lin = Linear(_kept(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -63,8 +69,8 @@ class InvariantExperts(nn.Module):
         self.num_experts = experts.num_experts
         self.act_fn = experts.act_fn
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-        self.gate_up = [Linear(gate_up[e]) for e in range(self.num_experts)]
-        self.down = [Linear(down[e]) for e in range(self.num_experts)]
+        self.gate_up = [Linear(_kept(gate_up[e])) for e in range(self.num_experts)]
+        self.down = [Linear(_kept(down[e])) for e in range(self.num_experts)]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         final = torch.zeros_like(hidden_states)
@@ -292,13 +298,19 @@ class TransformersModel:
             raise Unsupported(f"no base model at .{prefix}")
         if getattr(cfg, "alibi", False):
             raise Unsupported("ALiBi position biases")
+        # the linears and experts first (16-bit weights kept as stored), the rest in float32:
+        # the reference forward below then computes in float32 like everything after it
+        self.swapped = _replace_modules(hf_model)
+        hf_model.float()
+        self.dispatch = _LinearDispatch(hf_model)
         self.sdpa: _SdpaRoute | None = None
-        self.reference_ids, self.reference = self._reference(hf_model, RECORD)
+        with self.dispatch.active():
+            self.reference_ids, self.reference = self._reference(hf_model, RECORD)
         dims = {getattr(m, "_probity_seen", None) for m in self.base.modules()} - {None}
         if not dims:   # its attention does not go through transformers' interface: try torch's SDPA
             self.sdpa = _SdpaRoute()
             if self.sdpa.attach(self.base):
-                with self.sdpa.active():
+                with self.sdpa.active(), self.dispatch.active():
                     self.reference_ids, self.reference = self._reference(hf_model, "sdpa")
             dims = {getattr(m, "_probity_seen", None) for m in self.base.modules()} - {None}
         if not dims:
@@ -314,12 +326,10 @@ class TransformersModel:
         self.softcap = {d[4] for d in dims if d[4]}
         self.layers = sum(1 for m in self.base.modules() if hasattr(m, "_probity_seen"))
         self.hidden_size = cfg.get_text_config().hidden_size
-        self.swapped = _replace_modules(hf_model)
         self.head = hf_model.get_output_embeddings()
         if not isinstance(self.head, InvariantLinear):
             raise Unsupported("an output head that is not a linear layer")
         self.vocab_size = self.head.lin.out_features
-        self.dispatch = _LinearDispatch(hf_model)
         self._linears = []
         for m in hf_model.modules():
             if isinstance(m, InvariantLinear):
@@ -343,10 +353,12 @@ class TransformersModel:
 
     @torch.inference_mode()
     def _reference(self, hf_model, impl: str) -> tuple[list[int], torch.Tensor]:
-        """transformers' own logits (eager attention, or torch's SDPA) for a probe sequence,
-        before anything is replaced; the layers' attention shapes are noted on the way."""
+        """transformers' own logits for a probe sequence, through its own attention (eager, or
+        torch's SDPA) and masks, before probity's attention is plugged in; the layers'
+        attention shapes are noted on the way."""
         gen = torch.Generator().manual_seed(0)
-        vocab = hf_model.get_output_embeddings().weight.shape[0]
+        head = hf_model.get_output_embeddings()
+        vocab = head.lin.out_features if isinstance(head, InvariantLinear) else head.weight.shape[0]
         ids = torch.randint(0, vocab, (REFERENCE_TOKENS,), generator=gen).tolist()
         _set_attention(hf_model, impl)
         out = hf_model(input_ids=torch.tensor([ids]), use_cache=False)
