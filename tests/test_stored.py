@@ -160,3 +160,42 @@ def test_the_default_model_is_served_from_its_gguf_blocks_within_its_memory_boun
             assert sorted(os.listdir(cache)) == ["calibration", "kernels"]   # no converted model
         finally:
             s.stop()
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_the_stored_kernel_gives_the_float32_kernels_bits(kind):
+    """A narrow call on a stored weight (expanded panel by panel, or position by position into
+    registers for a few rows on AVX-512) equals the float32 kernel on the expanded weight, bit
+    for bit, at every row count it serves, with every k-block the calibration may pick, with
+    bias and residual."""
+    from tiny_gguf import _k_blocks
+
+    from probity.engine import kernels
+
+    if kernels.lib() is None:
+        pytest.skip(f"no kernel here: {kernels.why_not()}")
+    rng = np.random.default_rng(7)
+    n, k = 1000, 512
+    raw = (_k_blocks(kind, n, k, rng) if kind in K_QUANTS
+           else rng.integers(0, 256, size=(n, k // TYPES[kind][1] * TYPES[kind][2]), dtype=np.uint8))
+    if kind not in K_QUANTS and kind not in ("F16", "BF16"):
+        per, size = TYPES[kind][1], TYPES[kind][2]
+        blocks = raw.reshape(-1, size)
+        blocks[:, 0:2] = (rng.random(len(blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        if kind in ("Q4_1", "Q5_1"):
+            blocks[:, 2:4] = (rng.random(len(blocks)) * -0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    elif kind == "F16":
+        raw = (rng.standard_normal((n, k)) * 0.05).astype(np.float16).view(np.uint8)
+    elif kind == "BF16":
+        raw = torch.randn(n, k).mul(0.05).to(torch.bfloat16).view(torch.uint16).numpy().view(np.uint8)
+    w = pack(kind, raw, (n, k))
+    packed = kernels.pack(w.expand())
+    x = torch.randn(32, k)
+    bias, res = torch.randn(n), torch.randn(32, n)
+    for kb in (128, 256, 512):
+        for m in (1, 2, 5, 6, 7, 13, 32):
+            assert torch.equal(kernels.linear_stored(x[:m], w, kb), kernels.linear(x[:m], packed, n, kb)), (kb, m)
+        assert torch.equal(kernels.linear_stored(x[:3], w, kb, bias, res[:3]),
+                           kernels.linear(x[:3], packed, n, kb, bias, res[:3]))
+        assert torch.equal(kernels.linear_stored(x[:9], w, kb, bias, res[:9]),
+                           kernels.linear(x[:9], packed, n, kb, bias, res[:9]))

@@ -207,6 +207,132 @@ void probity_expand_rows(int type, const uint8_t *packed, int64_t K, const int64
 void probity_linear_tile(int mr, const float *x, int64_t ldx, const float *w, int64_t K, int64_t kb,
                          const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols);
 
+/* ---- AVX-512: a row tile of up to 6 rows over a panel, each position of 16 rows decoded into
+ * one register right before the tile's FMAs use it (no expanded copy). The same values (one
+ * IEEE op per element, in the reference's order) and the same FMA chains, so the same bits. */
+#define A512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+
+A512 static inline __m512 h16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+A512 static inline __m512 u8f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+A512 static inline __m512 i8f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* the 16 rows' value at position j (0..31) of group g, as float32 */
+A512 static inline __attribute__((always_inline)) __m512 pos512(const int type, const uint8_t *g, const int j,
+                                                                const __m512 s, const __m512 m, const __m512 s1)
+{
+    if (type == T_F16) return h16(g + j * 32);
+    if (type == T_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + j * 32))), 16));
+    if (type == T_Q8_0) return _mm512_mul_ps(s, i8f(g + 32 + j * 16));
+    const int hdr = (type == T_Q4_0 || type == T_Q5_0) ? 32 : (type == T_Q4_K || type == T_Q5_K) ? 96 : 64;
+    const uint8_t *vals = g + hdr;
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vals + (j & 15) * 16)));
+    __m512i q = j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
+    if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+        const __m512i h = _mm512_loadu_si512((const void *)(vals + 256));
+        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, j), _mm512_set1_epi32(1)), 4));
+    } else if (type == T_Q6_K) {
+        const __m512i h = _mm512_loadu_si512((const void *)(vals + 256 + (j < 16 ? 0 : 64)));
+        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * (j & 15)), _mm512_set1_epi32(3)), 4));
+    }
+    switch (type) {
+    case T_Q4_0: return _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
+    case T_Q5_0: return _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(16))));
+    case T_Q4_1: case T_Q5_1: return _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(q)), m);
+    case T_Q4_K: case T_Q5_K: return _mm512_sub_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(q)), m);
+    default: return _mm512_mul_ps(j < 16 ? s : s1, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))));
+    }
+}
+
+/* the group's scales: s (and m or s1) per row, as the reference computes them */
+A512 static inline __attribute__((always_inline)) void scales512(const int type, const uint8_t *g, __m512 *s, __m512 *m,
+                                                                 __m512 *s1)
+{
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0: *s = h16(g); break;
+    case T_Q4_1: case T_Q5_1: *s = h16(g); *m = h16(g + 32); break;
+    case T_Q4_K: case T_Q5_K:
+        *s = _mm512_mul_ps(h16(g), u8f(g + 64));
+        *m = _mm512_mul_ps(h16(g + 32), u8f(g + 80));
+        break;
+    case T_Q6_K: {
+        const __m512 d = h16(g);
+        *s = _mm512_mul_ps(d, i8f(g + 32));
+        *s1 = _mm512_mul_ps(d, i8f(g + 48));
+        break;
+    }
+    default: break;
+    }
+}
+
+A512 static inline __attribute__((always_inline)) void fused512(
+    const int type, const int mr, const float *x, int64_t ldx, const uint8_t *panel, int64_t K, int64_t kb,
+    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
+{
+    const int64_t gb = probity_group_bytes(type);
+    __m512 c[6];
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t k1 = k0 + kb < K ? k0 + kb : K;
+        __m512 a[6];
+        for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 32) {
+            const uint8_t *g = panel + (k / 32) * gb;
+            __m512 s = _mm512_setzero_ps(), m = s, s1 = s;
+            scales512(type, g, &s, &m, &s1);
+#pragma GCC unroll 4
+            for (int j = 0; j < 32; j++) {
+                const __m512 w = pos512(type, g, j, s, m, s1);
+                for (int r = 0; r < mr; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + j]), w, a[r]);
+            }
+        }
+        for (int r = 0; r < mr; r++) c[r] = k0 == 0 ? a[r] : _mm512_add_ps(c[r], a[r]);
+    }
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < mr; r++) {
+        __m512 o = c[r];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, bias));
+        if (res) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, res + r * ldr));
+        _mm512_mask_storeu_ps(y + r * ldy, keep, o);
+    }
+}
+
+#define FUSED_TYPES(mr) \
+    switch (type) { \
+    case T_F16: fused512(T_F16, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_BF16: fused512(T_BF16, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q8_0: fused512(T_Q8_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_0: fused512(T_Q4_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_1: fused512(T_Q4_1, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_0: fused512(T_Q5_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_1: fused512(T_Q5_1, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_K: fused512(T_Q4_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_K: fused512(T_Q5_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    default: fused512(T_Q6_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    }
+
+A512 static void fused_tile512(int type, int mr, const float *x, int64_t ldx, const uint8_t *panel, int64_t K,
+                               int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy,
+                               int ncols)
+{
+    switch (mr) {
+    case 1: FUSED_TYPES(1) break;
+    case 2: FUSED_TYPES(2) break;
+    case 3: FUSED_TYPES(3) break;
+    case 4: FUSED_TYPES(4) break;
+    case 5: FUSED_TYPES(5) break;
+    default: FUSED_TYPES(6) break;
+    }
+}
+
+static int has_avx512(void)
+{
+    static int known = -1;
+    if (known < 0)
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512vl");
+    return known;
+}
+
 /* y = x W^T (+ b) (+ r) for x [M <= 32, K] and W stored as `type`: each panel expanded into a
  * per-thread buffer, then the float32 kernel's own tile over it, so every output is the same
  * FMA chain as with the float32 weights. */
@@ -215,6 +341,15 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
                            int64_t ldy)
 {
     const int64_t panels = (N + 15) / 16, pb = K / 32 * probity_group_bytes(type);
+    if (M <= 6 && has_avx512()) {
+#pragma omp parallel for schedule(static)
+        for (int64_t j = 0; j < panels; j++) {
+            const int64_t n0 = j * 16;
+            fused_tile512(type, (int)M, x, ldx, packed + j * pb, K, kb, bias ? bias + n0 : 0, res ? res + n0 : 0, ldr,
+                          y + n0, ldy, N - n0 < 16 ? (int)(N - n0) : 16);
+        }
+        return;
+    }
 #pragma omp parallel
     {
         float *buf = aligned_alloc(64, K * 16 * sizeof(float));
