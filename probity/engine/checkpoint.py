@@ -26,18 +26,26 @@ STORED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class ModuleWeights:
-    """The parameters of a loaded transformers model."""
+    """The parameters of a loaded transformers model. `consume`: each tensor is taken out of the
+    model once it has been read (the engine's case: a 7B checkpoint in 16 bits and its packed
+    copy would not fit side by side), so the model is left empty."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, consume: bool = False):
         self.params = dict(hf_model.named_parameters(remove_duplicate=False))
         self.config = hf_model.config
-        self.hf_model = hf_model
+        self.consume = consume
 
     def has(self, name: str) -> bool:
         return name in self.params
 
     def get(self, name: str) -> torch.Tensor:
-        return self.params[name].detach()
+        p = self.params[name]
+        t = p.detach()
+        if self.consume:
+            if not t.numel():
+                raise RuntimeError(f"{name} was read once already")
+            p.data = torch.empty(0, dtype=p.dtype)   # the caller's reference is the last one
+        return t
 
 
 class GGUFWeights:

@@ -37,7 +37,7 @@ class Engine(EngineCore):
         if flags.threads:
             torch.set_num_threads(flags.threads)
         t0 = time.monotonic()
-        model = build_model(loaded.model, config=loaded.config, weights=loaded.weights)
+        model = build_model(loaded.model, config=loaded.config, weights=loaded.weights, consume=True)
         loaded.model = loaded.weights = None  # the model holds its own weights; free the loader's
         log(f"weights ready in {time.monotonic() - t0:.1f}s")
         log(f"forward: {model_path(model)}")

@@ -13,11 +13,12 @@ class UnsupportedModel(Exception):
     pass
 
 
-def build(hf_model=None, *, config=None, weights=None) -> LlamaModel | TransformersModel:
+def build(hf_model=None, *, config=None, weights=None, consume: bool = False) -> LlamaModel | TransformersModel:
     """The forward for a loaded transformers model, or for a checkpoint read as stored
-    (`config` and `weights`, checkpoint.py: only probity's own forward reads those)."""
+    (`config` and `weights`, checkpoint.py: only probity's own forward reads those).
+    `consume`: probity's own forward may empty the transformers model as it reads it."""
     if hf_model is not None:
-        config, weights = hf_model.config, ModuleWeights(hf_model)
+        config, weights = hf_model.config, ModuleWeights(hf_model, consume)
     if llama.serves(config) is None:
         return LlamaModel(config, weights)
     family = getattr(config, "model_type", type(hf_model).__name__)
