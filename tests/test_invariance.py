@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from probity.engine.engine import BLOCK_SIZE as BS
 from probity.engine.kv_cache import BlockPool
-from probity.engine.model import Model
+from probity.engine.model import build
 from probity.engine.runner import ModelRunner
 
 
@@ -39,7 +39,7 @@ class Harness:
         # + the zero block; a step of up to 1,024 rows (the longest chunk here is 700)
         num_blocks = -(-tokens // BS) + 1
         self.pool = BlockPool(num_blocks, BS)
-        self.runner = ModelRunner(hf_model, num_blocks, BS, max_rows=1024)
+        self.runner = ModelRunner(build(hf_model), num_blocks, BS, max_rows=1024)
         self.vocab_size = self.runner.vocab_size
 
     def run(self, seqs: list[list[int]], plan: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -169,11 +169,11 @@ def test_other_families_match_transformers_and_stay_invariant(family, tiny_model
         for p in hf.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)  # biases and norms away from their 0/1 init
-    h = Harness(hf, 1024)
     ids = [random.Random(1).randrange(300) for _ in range(120)]
-    ours = alone(h, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
+    h = Harness(hf, 1024)   # the general path (Mistral's sliding window) takes the transformers model over
+    ours = alone(h, ids)
     assert reported_gap(ours, ref, ids) < 1e-4
     chunked = h.run([ids], [[(0, 7)] for _ in range(17)] + [[(0, 1)]])[0]
     assert torch.equal(chunked, ours)
@@ -338,17 +338,6 @@ def test_attention_min_rows_finds_exactly_the_floor_a_gemm_needs(which, need, mo
     assert need in buckets
     monkeypatch.setattr(kernels, which, _differs_below(getattr(kernels, which), lambda a, y: y.shape[-2], need * group))
     assert attention_min_rows(64, group, buckets) == need
-
-
-def test_unsupported_family_is_refused_at_startup():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from probity.engine.model import UnsupportedModel
-
-    cfg = AutoConfig.for_model("gpt2", vocab_size=100, n_embd=32, n_layer=1, n_head=2)
-    hf = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(UnsupportedModel, match="gpt2"):
-        Model(hf, 8, BS)
 
 
 @pytest.mark.default_model

@@ -1,7 +1,7 @@
 """lm-evaluation-harness through probity equals lm-evaluation-harness in-process, sample by sample.
 
 The reference is lm-eval's own in-process `hf` model on the float32 folder probity serves (the
-tiny test model's; the default model's GGUF as probity converts it, from its cache). The tasks
+tiny test model's; the default model's GGUF as transformers de-quantizes it, cached). The tasks
 in tests/lm_eval_tasks (multiple choice whose one-word answers after a chat prompt are mostly
 followed by <|im_end|>; rolling perplexity over documents longer than one window; greedy
 generation with `until`) also run through `local-completions` against a live probity, with
@@ -119,8 +119,8 @@ def _model(request, name: str) -> tuple[Path, str, object]:
         return request.getfixturevalue("tiny_model_dir"), TINY_ID, request.getfixturevalue("tiny_server")
     from probity.engine.loader import DEFAULT_ID, converted_dir, default_model_path
 
-    server = request.getfixturevalue("default_server")   # its start converts the GGUF if no cache holds it
-    return converted_dir(default_model_path())[0], DEFAULT_ID, server
+    server = request.getfixturevalue("default_server")
+    return converted_dir(default_model_path())[0], DEFAULT_ID, server   # the GGUF de-quantized by transformers
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ BLOCK_CANDIDATES = (None, 1024, 512, 256, 2048, 768, 384, 128)   # the kernel's 
 KERNEL_PROBE_ROWS = (1, 2, 3, 5, 6, 7, 12, 13, 31, 32)
 VERIFY_WIDE = 64          # rows of the wide call a cached linear entry is checked against (in LINEAR_PROBE)
 VERIFY_NARROW = (1, 7, 32)
-SOURCES = ("kernels/kernels.c", "kernels/__init__.py", "kernels/build.py", "linear.py", "attention.py",
+SOURCES = ("kernels/kernels.c", "kernels/stored.c", "kernels/__init__.py", "kernels/build.py", "linear.py", "attention.py",
            "calibration.py")
 
 
@@ -71,14 +71,13 @@ def probe_linear(lin: Linear) -> tuple[int, int | None]:
         if not torch.equal(lin.gemm(x[:m], _rows(r, m)), wide[:m]):
             bad = m
     kb = None
-    if lin.packed is not None:
+    if lin.has_kernel:
         k = lin.in_features
         for cand in BLOCK_CANDIDATES:
             if cand is not None and cand >= k:
                 continue   # the same order as one chain, tried first
             block = k if cand is None else cand
-            if all(torch.equal(kernels.linear(x[:m], lin.packed, lin.out_features, block, lin.b, _rows(r, m)),
-                               wide[:m]) for m in KERNEL_PROBE_ROWS):
+            if all(torch.equal(lin.narrow(x[:m], block, _rows(r, m)), wide[:m]) for m in KERNEL_PROBE_ROWS):
                 kb = block
                 break
     return next((m for m in LINEAR_PROBE if m > bad), LINEAR_PROBE_WIDE), kb
@@ -136,9 +135,9 @@ def probe_decode_attention(head_dim: int, n_kv: int, group: int, seed: int = 0) 
         vals = torch.cat([torch.randn(n_kv, items, L, head_dim, generator=gen), torch.ones(n_kv, items, L, 1)], -1)
         lead = min(positions) // KEY_ALIGN * KEY_ALIGN
         visible, hide = masks(lead, L, [[p] for p in positions])
-        g = AttnGroup(items=items, rows=1, nb=0, idx=torch.arange(items), dest=torch.arange(items), keep=None,
-                      lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long), decode=True,
-                      pos=torch.tensor(positions))
+        g = AttnGroup(items=items, rows=1, nb=0, length=L, idx=torch.arange(items), dest=torch.arange(items),
+                      keep=None, lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long),
+                      qpos=torch.tensor([[p] for p in positions]), decode=True, pos=torch.tensor(positions))
         if not torch.equal(attend(q, keys, vals, g, scale, fused_decode=True),
                            attend(q, keys, vals, g, scale, fused_decode=False)):
             return "it does not give the general path's bits on this CPU"
@@ -245,8 +244,8 @@ class Calibration:
     def linear(self, lin: Linear) -> tuple[int, int | None]:
         """(floor, kb) of this linear's shape and kind of call (see probe_linear)."""
         t0 = time.monotonic()
-        out_f, in_f, bias, residual = lin.shape_key
-        key = f"linear/{out_f}x{in_f}/bias={bias}/residual={residual}"
+        out_f, in_f, bias, residual, stored = lin.shape_key
+        key = f"linear/{out_f}x{in_f}/bias={bias}/residual={residual}" + ("/stored" if stored else "")
         got = self.entries.get(key)
         if isinstance(got, list) and len(got) == 2 and _verify_linear(lin, got[0], got[1]):
             self.reused += 1
@@ -301,7 +300,7 @@ def _verify_linear(lin: Linear, floor: object, kb: object) -> bool:
     count, the kernel at VERIFY_NARROW rows."""
     if type(floor) is not int or floor < 1 or not (kb is None or type(kb) is int):
         return False
-    if kb is not None and lin.packed is None:
+    if kb is not None and not lin.has_kernel:
         return False  # the kernel is not here after all
     gen = torch.Generator().manual_seed(1)
     wide_rows = max(VERIFY_WIDE, floor)
@@ -312,6 +311,6 @@ def _verify_linear(lin: Linear, floor: object, kb: object) -> bool:
         return False
     if kb is not None:
         for m in VERIFY_NARROW:
-            if not torch.equal(kernels.linear(x[:m], lin.packed, lin.out_features, kb, lin.b, _rows(r, m)), wide[:m]):
+            if not torch.equal(lin.narrow(x[:m], kb, _rows(r, m)), wide[:m]):
                 return False
     return True

@@ -16,6 +16,8 @@ from .flags import EngineFlags
 from .loader import Loaded
 from .log import log
 from .model import UnsupportedModel
+from .model import build as build_model
+from .model import path as model_path
 from .pipe import Writer, open_pipe
 from .runner import ModelRunner, kv_blocks, resident_bytes
 from .sampler import new_generator, sample_many
@@ -32,11 +34,16 @@ BLOCK_SIZE = 4
 class Engine(EngineCore):
     def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, flags: EngineFlags = EngineFlags()):
         super().__init__(out, inbox)
-        cfg = loaded.model.config
-        num_blocks = kv_blocks(cfg, flags.kv_cache_gib, BLOCK_SIZE)
-        self.runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, threads=flags.threads,
-                                  max_rows=flags.step_tokens, kept_keys_bytes=int(flags.kept_keys_gib * (1 << 30)))
-        loaded.model = None  # the runner holds its own (prepacked) weights; free transformers' copy
+        if flags.threads:
+            torch.set_num_threads(flags.threads)
+        t0 = time.monotonic()
+        model = build_model(loaded.model, config=loaded.config, weights=loaded.weights, consume=True)
+        loaded.model = loaded.weights = None  # the model holds its own weights; free the loader's
+        log(f"weights ready in {time.monotonic() - t0:.1f}s")
+        log(f"forward: {model_path(model)}")
+        num_blocks = kv_blocks(model, flags.kv_cache_gib, BLOCK_SIZE)
+        self.runner = ModelRunner(model, num_blocks, BLOCK_SIZE, max_rows=flags.step_tokens,
+                                  kept_keys_bytes=int(flags.kept_keys_gib * (1 << 30)))
         self.scheduler = Scheduler(num_blocks, BLOCK_SIZE, flags.max_running, flags.step_tokens, flags.prefix_cache)
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
         self.context_length = min(self.runner.context_length, self.scheduler.pool.capacity_tokens)

@@ -12,12 +12,16 @@ import torch
 from .attention import KEY_ALIGN, AttnGroup, Kept, masks
 from .calibration import Calibrated, Calibration, calibrate
 from .kv_cache import EchoCache
+from .linear import scratch_bytes
 from .log import log
-from .model import Model
+from .model import UnsupportedModel
 from .tables import top_lists, with_chosen
 from .sequence import Sequence
 
 PROBE_ROWS = 512              # attention's row floor is measured against calls at least this wide
+PAD_ROWS = 32                 # the multiple a general-path step is padded to where its modules need it
+INVARIANCE_COUNTS = 64        # the general path's rows are compared at every count up to this ...
+INVARIANCE_WIDE = 128         # ... with the same rows of a forward this wide
 KEPT_KEYS_BYTES = 1 << 30     # default: at most this much of one decode group's gathered keys is kept between steps
 
 
@@ -33,11 +37,11 @@ def row_buckets(max_rows: int) -> list[int]:
     return sorted({row_bucket(n) for n in range(1, max_rows + 1)})
 
 
-def kv_blocks(cfg, gib: float, block_size: int) -> int:
+def kv_blocks(model, gib: float, block_size: int) -> int:
     """Blocks of `block_size` positions that `gib` of KV pool holds (with each position's hidden
     state and echo entry), at least two: block 0 pads tables."""
-    per_block = (Model.bytes_per_token(cfg) + EchoCache.BYTES_PER_TOKEN) * block_size
-    return max(2, int(gib * (1 << 30)) // per_block + 1)
+    per_token = model.kv_bytes_per_token() + model.hidden_size * 4 + EchoCache.BYTES_PER_TOKEN
+    return max(2, int(gib * (1 << 30)) // (per_token * block_size) + 1)
 
 
 @dataclass
@@ -60,15 +64,28 @@ class HeadRow:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, num_blocks: int, block_size: int, threads: int | None = None,
+    """`model`: a built model (models.build), whose KV pool this runner allocates."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, threads: int | None = None,
                  head_rows: int = 128, max_rows: int = 512, calibration: Calibration | None = None,
                  kept_keys_bytes: int = KEPT_KEYS_BYTES):
         if threads:
             torch.set_num_threads(threads)
-        cfg = hf_model.config
+        cfg = model.cfg
         self.block_size = block_size
-        self.model = Model(hf_model, num_blocks, block_size)
-        self.echo = EchoCache(num_blocks * block_size)
+        self.model = model
+        # one block past the scheduler's: where the rows that pad a step write (see pad_rows)
+        self.scratch = num_blocks
+        model.allocate(num_blocks + 1, block_size)
+        # each position's final hidden state, so echo for a cached prefix is the head over the
+        # very rows that were computed (the head is row-invariant: identical logits)
+        self.hidden = torch.zeros((num_blocks + 1) * block_size, model.hidden_size)
+        self.echo = EchoCache((num_blocks + 1) * block_size)
+        # a step's rows are padded up to a multiple of this (the general path, where the
+        # startup check finds transformers' modules need it); the padding rows are one-token
+        # sequences in the scratch block, the same objects every step
+        self.pad_rows = 1
+        self._pads = [_ProbeRow([0], [self.scratch]) for _ in range(PAD_ROWS - 1)]
         # an item's attention rows: its new rows' row_bucket, at least the floor calibration
         # measures on this CPU's kernels for every bucket a step of up to `max_rows` rows can
         # use. The buckets measured always reach PROBE_ROWS, so engines with any step budget
@@ -81,31 +98,101 @@ class ModelRunner:
         self.min_rows = self.calibrated.attention_floor
         self.kept_keys_bytes = kept_keys_bytes
         self.vocab_size = self.model.vocab_size
-        ctx = int(getattr(cfg, "max_position_embeddings", 2048))
-        window = getattr(cfg, "sliding_window", None)
-        if isinstance(window, int) and window > 0:
-            ctx = min(ctx, window)  # within the window, sliding attention is full attention
-        self.context_length = ctx
+        self.context_length = int(getattr(cfg.get_text_config(), "max_position_embeddings", None) or 2048)
         self.head_rows = head_rows
         self.align = KEY_ALIGN // block_size
         # the decode group whose gathered keys the model keeps: its sequences (held, so their
         # identity cannot be reused), key blocks and block tables
         self.kept: tuple[list, int, list[list[int]]] | None = None
-        m = self.model
-        self.kept_bytes_per_key = len(m.layers) * m.n_kv * (2 * m.head_dim + 1) * 4
+        self.kept_bytes_per_key = model.kv_bytes_per_token()
+        if hasattr(model, "reference"):   # the general path: measure that it is exact here
+            self._check_fidelity()
+            self._check_invariance()
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    # ------------------------------------------------------------ startup checks (general path)
+    def _probe_rows(self, seqs: list[list[int]]) -> torch.Tensor:
+        """The final hidden rows of `seqs`, each run whole in one step from free blocks (at
+        startup, before the scheduler hands out any)."""
+        rows, nxt = [], 1
+        for ids in seqs:
+            need = self.blocks_for(len(ids))
+            rows.append(_ProbeRow(ids, list(range(nxt, nxt + need))))
+            nxt += need
+        if nxt > self.scratch:
+            raise UnsupportedModel("the KV pool is too small for the startup checks: raise --kv-cache-gib")
+        hidden, _ = self.forward([(r, len(r.tokens)) for r in rows])
+        self.kept = None
+        self.model.kv.drop_kept()
+        return hidden
+
+    def _check_fidelity(self) -> None:
+        """The general path must give transformers' own numbers (eager attention, fp32) on a
+        probe sequence: next-token logprobs and each position's top 32, within FIDELITY."""
+        from .transformers_model import FIDELITY
+
+        m = self.model
+        ids = m.reference_ids
+        ours = torch.log_softmax(m.logits(self._probe_rows([ids])).float(), -1)
+        ref = torch.log_softmax(m.reference, -1)
+        rows, nxt = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
+        top = torch.topk(ref, min(32, ref.shape[-1]), dim=-1).indices
+        gap = max((ours[rows, nxt] - ref[rows, nxt]).abs().max().item(),
+                  (ours.gather(1, top) - ref.gather(1, top)).abs().max().item())
+        m.reference = None
+        if not gap <= FIDELITY:
+            raise UnsupportedModel(f"model type {m.family!r}: probity's general path differs from transformers' "
+                                   f"forward by {gap:.3g} on a probe sequence (allowed {FIDELITY:g}); "
+                                   "vLLM may serve it: --backend vllm")
+        log(f"general path: within {gap:.2g} of transformers' forward on a {len(ids)}-token probe")
+
+    def _check_invariance(self) -> None:
+        """Every row of the general path's forward must be bit-identical whatever the row count.
+        One-token sequences run together at counts up to INVARIANCE_COUNTS and at several places
+        in the step, each row compared with the same row of an INVARIANCE_WIDE-row forward,
+        through one layer of each kind the model has (the rest repeat them). transformers' modules may apply an
+        elementwise op to a tensor whose length depends on the row count (a [rows, 1] gate), and
+        torch computes the last elements of a run that is not a multiple of its vector block
+        another way; padding the step to a multiple of PAD_ROWS rows makes every such length a
+        multiple of it. Where a count differs, steps are padded and everything checked again; if
+        that does not hold either, the model is refused."""
+        m = self.model
+        widest = min(INVARIANCE_WIDE, self.scratch - 1, self.max_rows)
+        gen = torch.Generator().manual_seed(2)
+        seqs = [[t] for t in torch.randint(0, m.vocab_size, (widest,), generator=gen).tolist()]
+        probes = [(n, j) for n in (*range(1, 34), 40, 47, 48, 63, 64) for j in (0, 3, 37)
+                  if n + j <= min(widest, INVARIANCE_COUNTS + 37)]
+
+        def differing() -> list[tuple[int, int]]:
+            return [(n, j) for n, j in probes if not torch.equal(self._probe_rows(seqs[j:j + n]), wide[j:j + n])]
+        with m.representative_layers():
+            wide = self._probe_rows(seqs)
+            bad = differing()
+            if bad and widest % PAD_ROWS == 0:
+                self.pad_rows = PAD_ROWS
+                still = differing()
+            else:
+                still = bad
+        if still:
+            raise UnsupportedModel(f"model type {m.family!r}: on this CPU transformers' modules give a row other "
+                                   f"bits in a forward of {still[0][0]} rows than of {widest}; "
+                                   "vLLM may serve it: --backend vllm")
+        log(f"general path: rows bit-identical at {len(probes)} row counts and offsets"
+            + (f", with steps padded to a multiple of {PAD_ROWS} rows (unpadded, a forward of {bad[0][0]} rows "
+               "gave other bits)" if bad else ""))
+
     def memory(self) -> dict[str, int]:
         """Bytes the engine holds, by part (docs/engine.md, Memory)."""
         m = self.model
-        lins = m.linears()
-        onednn = sum(_nbytes(lin.w) + _nbytes(lin.b) for lin in lins)
-        kernel_copy = sum(_nbytes(lin.packed) for lin in lins)
-        other = _nbytes(m.embed) + sum(_nbytes(t) for l in m.layers for t in (l.ln_in, l.ln_post, l.q_norm, l.k_norm))
-        return {"weights_onednn": onednn, "weights_kernels": kernel_copy, "weights_other": other,
-                "kv_pool": _nbytes(m.k_pool) + _nbytes(m.v_pool), "hidden_pool": _nbytes(m.h_pool),
+        parts = {"weights_onednn": 0, "weights_kernels": 0, "weights_stored": 0}
+        for lin in {id(lin): lin for lin in m.linears()}.values():
+            for k, v in lin.weight_bytes().items():
+                parts[k] += v
+        other = sum(_nbytes(t) for t in {id(t): t for t in m.weight_tensors()}.values())
+        return {**parts, "weights_other": other, "weights_scratch": scratch_bytes(),
+                "kv_pool": m.kv.nbytes(), "hidden_pool": _nbytes(self.hidden),
                 "echo_cache": self.echo.nbytes(), "kept_keys_max": self.kept_keys_bytes, "resident": resident_bytes()}
 
     # ------------------------------------------------------------ attention groups
@@ -143,7 +230,8 @@ class ModelRunner:
             visible, hide = masks(lead, nb * bs, qpos)
             decode = all(batch[i][1] == 1 for i in members)
             specs.append(dict(
-                items=len(members), rows=rows, nb=nb, idx=torch.tensor(idx), dest=torch.tensor(dest),
+                items=len(members), rows=rows, nb=nb, length=nb * bs, qpos=torch.tensor(qpos),
+                idx=torch.tensor(idx), dest=torch.tensor(dest),
                 keep=None if len(keep) == len(idx) else torch.tensor(keep), lead=lead, visible=visible, hide=hide,
                 blocks=torch.tensor(blocks), decode=decode, pos=torch.tensor([p[0] for p in qpos]) if decode else None,
                 members=[batch[i][0] for i in members]))
@@ -159,7 +247,7 @@ class ModelRunner:
         if spec is None or spec["items"] * spec["nb"] * self.block_size * self.kept_bytes_per_key > self.kept_keys_bytes:
             if self.kept is not None:
                 self.kept = None
-                self.model.drop_kept()
+                self.model.kv.drop_kept()
             return
         members, nb = spec["members"], spec["nb"]
         tables = [seq.blocks[: self.blocks_for(seq.num_computed + 1)] for seq in members]
@@ -181,6 +269,10 @@ class ModelRunner:
         scheduler has allocated), and where each sequence's rows start."""
         tokens, positions, slots, starts = [], [], [], []
         bs = self.block_size
+        real = sum(n for _, n in batch)
+        pad = -real % self.pad_rows
+        if pad:
+            batch = batch + [(row, 1) for row in self._pads[:pad]]
         for seq, n in batch:
             starts.append(len(tokens))
             a = seq.num_computed
@@ -190,8 +282,9 @@ class ModelRunner:
                 slots.append(seq.blocks[p // bs] * bs + p % bs)
         slots_t = torch.tensor(slots)
         hidden = self.model.forward(torch.tensor(tokens), torch.tensor(positions), slots_t, self._groups(batch, starts))
+        self.hidden[slots_t] = hidden
         self.echo.void(slots_t)
-        return hidden, starts
+        return hidden[:real], starts[:len(starts) - pad]
 
     @torch.inference_mode()
     def step(self, batch: list[tuple[Sequence, int]], wants_sample) -> list[SeqResult]:
@@ -200,7 +293,7 @@ class ModelRunner:
         hidden, starts = self.forward(batch)
         results = [SeqResult() for _ in batch]
         wanted, echo_slots, shared = self._head_rows(batch, starts, len(hidden), wants_sample, results)
-        rows = torch.cat([hidden, self.model.hidden_at(torch.tensor(echo_slots))]) if echo_slots else hidden
+        rows = torch.cat([hidden, self.hidden[torch.tensor(echo_slots)]]) if echo_slots else hidden
         computed: dict[tuple, tuple[float, list | None]] = {}
         for c in range(0, len(wanted), self.head_rows):
             self._head(batch, rows, wanted[c:c + self.head_rows], results, computed if shared else None)
@@ -273,6 +366,13 @@ class ModelRunner:
             if computed is not None:
                 for j, t, v, table in zip(js, targets, vals, tables):
                     computed[(chunk[j].slot, t, k)] = (v, table)
+
+
+class _ProbeRow:
+    """What the runner reads of a sequence, for the startup checks."""
+
+    def __init__(self, tokens: list[int], blocks: list[int]):
+        self.tokens, self.blocks, self.num_computed = tokens, blocks, 0
 
 
 def _nbytes(t) -> int:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+import sys
 import re
 import time
 import uuid
@@ -15,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from . import api_docs, inspector
 from .body import read_json
+from .engine_client import EngineStartFailed
 from .errors import APIError
 from .generation import ClientGone
 from .metrics import CONTENT_TYPE
@@ -31,7 +34,12 @@ def create_app(config: Config) -> FastAPI:
         # The server listens only once the model is loaded: a model that cannot load is a
         # startup error (non-zero exit), never a server that answers 503 forever.
         await svc.engine.start()
-        await svc.engine.wait_first_ready()
+        try:
+            await svc.engine.wait_first_ready()
+        except EngineStartFailed as e:
+            # the engine's own line above names the cause; one more line, no traceback
+            print(f"probity: {e}", file=sys.stderr, flush=True)
+            os._exit(3)
         yield
         await svc.engine.stop()
 

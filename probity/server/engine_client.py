@@ -117,6 +117,10 @@ def engine_error_to_api(p: dict) -> APIError:
     return APIError(code, p["message"], p.get("param"), member=p.get("member"))
 
 
+class EngineStartFailed(Exception):
+    """The engine exited before its first READY (a model that cannot be loaded or served)."""
+
+
 class EngineClient:
     def __init__(self, model: str, accept_timeout: float = 30.0, max_restarts: int = 5, frame_timeout: float = 10.0,
                  engine_args: list[str] | None = None, command: list[str] | None = None, on_ready=None,
@@ -175,7 +179,7 @@ class EngineClient:
         ready.cancel()
         failed.cancel()
         if not self._ready.is_set():
-            raise RuntimeError(f"the engine failed to start: {self.last_error}")
+            raise EngineStartFailed(f"the engine did not start ({self.last_error})")
 
     async def stop(self, grace: float = 5.0) -> None:
         self._stopping = True
@@ -233,7 +237,8 @@ class EngineClient:
         if proc is not self.proc or proc is self._broken_proc or self.state == "stopped":
             return
         self._broken_proc = proc
-        log.error("engine link broken: %s", reason)
+        if self.ever_ready:  # before the first READY the engine's own line says what went wrong
+            log.error("engine link broken: %s", reason)
         self.last_error = reason
         self.state = "down"
         self._ready.clear()

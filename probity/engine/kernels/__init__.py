@@ -91,6 +91,27 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, kb: int,
     return y
 
 
+def linear_stored(x: torch.Tensor, w, kb: int, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` for a weight kept as stored (stored.StoredWeight): each panel expanded in the
+    kernel to the reference de-quantization's float32 values, then the same FMA chains."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    _f32(x, 2, "linear x")
+    if m > MAX_ROWS or w.shape[1] != k:
+        raise ValueError(f"linear: {m} rows of {k} against a stored weight {w.shape}")
+    if residual is not None:
+        residual = residual.contiguous()
+        if residual.shape != (m, n):
+            raise ValueError(f"linear: residual {tuple(residual.shape)} for output ({m}, {n})")
+    y = torch.empty(m, n)
+    _lib.probity_linear_stored(w.code, x.data_ptr(), k, m, w.packed.data_ptr(), n, k, kb,
+                               None if bias is None else bias.data_ptr(),
+                               None if residual is None else residual.data_ptr(), n, y.data_ptr(), n)
+    return y
+
+
 # ---------------------------------------------------------------- attention's GEMMs
 
 def score_gemm(keys: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Compiling and loading kernels.c: once per source, flags and constants, into the cache
+"""Compiling and loading kernels.c and stored.c: once per source, flags and constants, into the cache
 directory (`make setup` does it ahead of time), with every C function's signature declared
 by name here.
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from ..cache_dir import cache_dir
 
-SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
-REQUIRES = ("avx2", "fma")   # CPU flags the code needs
+SOURCES = [Path(__file__).with_name(n) for n in ("kernels.c", "stored.c")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+REQUIRES = ("avx2", "fma", "f16c")   # CPU flags the code needs
 
-_p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_p, _i, _f, _c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # name -> its parameters in order, (name, ctype): the Python wrappers (kernels/__init__.py)
 # pass them in this order.
 SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
@@ -35,7 +35,12 @@ SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
     "probity_rms_norm": (("x", _p), ("w", _p), ("y", _p), ("T", _i), ("D", _i), ("eps", _f)),
     "probity_rotate": (("x", _p), ("ldx", _i), ("cos", _p), ("sin", _p), ("out", _p), ("T", _i), ("heads", _i),
                        ("hd", _i)),
+    "probity_expand": (("type", _c), ("packed", _p), ("N", _i), ("K", _i), ("out", _p)),
+    "probity_expand_rows": (("type", _c), ("packed", _p), ("K", _i), ("ids", _p), ("n", _i), ("out", _p)),
+    "probity_linear_stored": (("type", _c), ("x", _p), ("ldx", _i), ("M", _i), ("packed", _p), ("N", _i), ("K", _i),
+                              ("kb", _i), ("bias", _p), ("res", _p), ("ldr", _i), ("y", _p), ("ldy", _i)),
 }
+
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -53,7 +58,8 @@ def compile_flags(constants: dict[str, int]) -> list[str]:
 
 
 def library_path(constants: dict[str, int]) -> Path:
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags(constants)).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+                         + " ".join(compile_flags(constants)).encode()).hexdigest()[:16]
     return cache_dir("kernels") / f"kernels-{tag}.so"
 
 
@@ -67,8 +73,8 @@ def build(constants: dict[str, int]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run(["gcc", *compile_flags(constants), "-o", tmp, str(SOURCE)], check=True, capture_output=True,
-                       text=True)
+        subprocess.run(["gcc", *compile_flags(constants), "-o", tmp, *map(str, SOURCES)], check=True,
+                       capture_output=True, text=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -79,7 +85,7 @@ def build(constants: dict[str, int]) -> Path:
 def load(constants: dict[str, int]) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library, None), or (None, why it is not there)."""
     if not _cpu_has(*REQUIRES):
-        return None, "this CPU lacks AVX2/FMA"
+        return None, "this CPU lacks AVX2/FMA/F16C"
     try:
         lib = ctypes.CDLL(str(build(constants)))
     except subprocess.CalledProcessError as e:
@@ -92,4 +98,6 @@ def load(constants: dict[str, int]) -> tuple[ctypes.CDLL | None, str | None]:
         fn = getattr(lib, name)
         fn.argtypes = [t for _, t in params]
         fn.restype = None
+    lib.probity_group_bytes.argtypes = [_c]
+    lib.probity_group_bytes.restype = ctypes.c_int64
     return lib, None

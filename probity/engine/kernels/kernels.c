@@ -116,6 +116,21 @@ void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int
     }
 }
 
+/* One row tile over a packed float32 panel already in cache (stored.c expands its weights into
+ * one): the same FMA chains as probity_linear, no prefetch. */
+void probity_linear_tile(int mr, const float *x, int64_t ldx, const float *w, int64_t K, int64_t kb,
+                         const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
+{
+    switch (mr) {
+    case 6: tile(6, x, ldx, w, K, kb, bias, res, ldr, y, ldy, ncols, 0); break;
+    case 5: tile(5, x, ldx, w, K, kb, bias, res, ldr, y, ldy, ncols, 0); break;
+    case 4: tile(4, x, ldx, w, K, kb, bias, res, ldr, y, ldy, ncols, 0); break;
+    case 3: tile(3, x, ldx, w, K, kb, bias, res, ldr, y, ldy, ncols, 0); break;
+    case 2: tile(2, x, ldx, w, K, kb, bias, res, ldr, y, ldy, ncols, 0); break;
+    default: tile(1, x, ldx, w, K, kb, bias, res, ldr, y, ldy, ncols, 0); break;
+    }
+}
+
 /* ---- attention's two GEMMs, in slices of 64 keys, for calls of few query rows ----------
  * The same sums as torch.matmul in kernels.score_gemm / value_gemm, each output one FMA chain
  * from zero over its reduction index in order: the order MKL's kernel was measured to use

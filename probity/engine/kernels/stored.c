@@ -1,0 +1,372 @@
+/* Weights as stored: 16-bit and GGUF-quantized weights expanded to float32 exactly as the
+ * reference de-quantization does it (gguf-py's de-quantizers, the exact bf16/f16 upcast),
+ * then reduced by the same FMA chains as the float32 linear (kernels.c's tile()).
+ *
+ * Layout (probity/engine/stored.py packs it): a weight [N, K] is cut into panels of PANEL
+ * (16) rows, and each panel's K into groups of 32 values; a group of 16 rows x 32 values is
+ * stored with the 16 rows side by side, so one vector op decodes the same position of 16 rows:
+ *
+ *   kind A  w = s * q                 s = f16 d                          (Q8_0, Q4_0, Q5_0)
+ *   kind B  w = (s * q) + m           s = f16 d, m = f16 m               (Q4_1, Q5_1)
+ *   kind C  w = (s * q) - t           s = f16 d * sc, t = f16 dmin * mn  (Q4_K, Q5_K)
+ *   kind D  w = s * q                 s = f16 d * int8 scale per 16      (Q6_K)
+ *   kind E  w = the 16-bit value      f16 or bf16
+ *
+ * each product and sum rounded to float32 on its own (no contraction: -ffp-contract=off),
+ * which is what the reference computes in numpy. Group bytes, in order:
+ *   header   A: d[16] f16 | B: d[16], m[16] f16 | C: d[16], dmin[16] f16, sc[16], mn[16] u8
+ *            D: d[16] f16, sc0[16], sc1[16] int8 (scales of values 0-15 and 16-31)
+ *   values   8-bit: q[32][16] int8 | 4/5/6-bit: lo[16][16] u8 (low nibble: bits 0-3 of value j,
+ *            high nibble: bits 0-3 of value j+16), then 5-bit: hb[16] u32 (bit j: bit 4 of value
+ *            j), 6-bit: h0[16], h1[16] u32 (bits 2j, 2j+1: bits 4-5 of value j, resp. j+16)
+ *            16-bit: h[32][16]
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef PANEL
+#error "compile through probity/engine/kernels/build.py"
+#endif
+
+enum { T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5, T_Q5_0 = 6, T_Q5_1 = 7, T_Q4_K = 8,
+       T_Q5_K = 9, T_Q6_K = 10 };
+
+/* bytes of one group of 16 rows x 32 values */
+int64_t probity_group_bytes(int type)
+{
+    switch (type) {
+    case T_F16: case T_BF16: return 1024;
+    case T_Q8_0: return 32 + 512;
+    case T_Q4_0: return 32 + 256;
+    case T_Q4_1: return 64 + 256;
+    case T_Q5_0: return 32 + 64 + 256;
+    case T_Q5_1: return 64 + 64 + 256;
+    case T_Q4_K: return 96 + 256;
+    case T_Q5_K: return 96 + 64 + 256;
+    case T_Q6_K: return 64 + 128 + 256;
+    default: return 0;
+    }
+}
+
+static inline __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline __m256 u8x8(const uint8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline __m256 i8x8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* One group into out[32][16] (row stride 16 floats). */
+static void decode_group(int type, const uint8_t *g, float *out)
+{
+    __m256 s[2], m[2], s1[2];
+    const uint8_t *vals = g;
+    switch (type) {
+    case T_F16: case T_BF16: {
+        const uint16_t *h = (const uint16_t *)g;
+        for (int j = 0; j < 32; j++)
+            for (int v = 0; v < 2; v++) {
+                const uint16_t *p = h + j * 16 + v * 8;
+                __m256 w;
+                if (type == T_F16)
+                    w = f16x8(p);
+                else
+                    w = _mm256_castsi256_ps(_mm256_slli_epi32(
+                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+                _mm256_storeu_ps(out + j * 16 + v * 8, w);
+            }
+        return;
+    }
+    case T_Q8_0: case T_Q4_0: case T_Q5_0:
+        for (int v = 0; v < 2; v++) s[v] = f16x8((const uint16_t *)g + v * 8);
+        vals = g + 32;
+        break;
+    case T_Q4_1: case T_Q5_1:
+        for (int v = 0; v < 2; v++) {
+            s[v] = f16x8((const uint16_t *)g + v * 8);
+            m[v] = f16x8((const uint16_t *)g + 16 + v * 8);
+        }
+        vals = g + 64;
+        break;
+    case T_Q4_K: case T_Q5_K:
+        for (int v = 0; v < 2; v++) {
+            s[v] = _mm256_mul_ps(f16x8((const uint16_t *)g + v * 8), u8x8(g + 64 + v * 8));
+            m[v] = _mm256_mul_ps(f16x8((const uint16_t *)g + 16 + v * 8), u8x8(g + 80 + v * 8));
+        }
+        vals = g + 96;
+        break;
+    case T_Q6_K:
+        for (int v = 0; v < 2; v++) {
+            const __m256 d = f16x8((const uint16_t *)g + v * 8);
+            s[v] = _mm256_mul_ps(d, i8x8((const int8_t *)g + 32 + v * 8));
+            s1[v] = _mm256_mul_ps(d, i8x8((const int8_t *)g + 48 + v * 8));
+        }
+        vals = g + 64;
+        break;
+    default:
+        return;
+    }
+    if (type == T_Q8_0) {
+        for (int j = 0; j < 32; j++)
+            for (int v = 0; v < 2; v++)
+                _mm256_storeu_ps(out + j * 16 + v * 8,
+                                 _mm256_mul_ps(s[v], i8x8((const int8_t *)vals + j * 16 + v * 8)));
+        return;
+    }
+    const uint8_t *lo = vals;
+    const uint32_t *hb = (const uint32_t *)(vals + 256);
+    const __m256i nib = _mm256_set1_epi32(0x0F), one = _mm256_set1_epi32(1), three = _mm256_set1_epi32(3);
+    for (int j = 0; j < 16; j++)
+        for (int v = 0; v < 2; v++) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo + j * 16 + v * 8)));
+            __m256i q0 = _mm256_and_si256(b, nib), q1 = _mm256_srli_epi32(b, 4);
+            if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(hb + v * 8));
+                q0 = _mm256_or_si256(q0, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(j)), one), 4));
+                q1 = _mm256_or_si256(q1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(j + 16)), one), 4));
+            } else if (type == T_Q6_K) {
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(hb + v * 8));
+                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(hb + 16 + v * 8));
+                q0 = _mm256_or_si256(q0, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h0, _mm_cvtsi32_si128(2 * j)), three), 4));
+                q1 = _mm256_or_si256(q1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h1, _mm_cvtsi32_si128(2 * j)), three), 4));
+            }
+            __m256 w0, w1;
+            switch (type) {
+            case T_Q4_0:
+                w0 = _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, _mm256_set1_epi32(8))));
+                w1 = _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, _mm256_set1_epi32(8))));
+                break;
+            case T_Q5_0:
+                w0 = _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, _mm256_set1_epi32(16))));
+                w1 = _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, _mm256_set1_epi32(16))));
+                break;
+            case T_Q4_1: case T_Q5_1:
+                w0 = _mm256_add_ps(_mm256_mul_ps(s[v], _mm256_cvtepi32_ps(q0)), m[v]);
+                w1 = _mm256_add_ps(_mm256_mul_ps(s[v], _mm256_cvtepi32_ps(q1)), m[v]);
+                break;
+            case T_Q4_K: case T_Q5_K:
+                w0 = _mm256_sub_ps(_mm256_mul_ps(s[v], _mm256_cvtepi32_ps(q0)), m[v]);
+                w1 = _mm256_sub_ps(_mm256_mul_ps(s[v], _mm256_cvtepi32_ps(q1)), m[v]);
+                break;
+            default: /* T_Q6_K */
+                w0 = _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, _mm256_set1_epi32(32))));
+                w1 = _mm256_mul_ps(s1[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, _mm256_set1_epi32(32))));
+                break;
+            }
+            _mm256_storeu_ps(out + j * 16 + v * 8, w0);
+            _mm256_storeu_ps(out + (j + 16) * 16 + v * 8, w1);
+        }
+}
+
+/* one panel (16 rows, all of K) into out[K][16]: the float32 kernel's packed layout */
+static void decode_panel(int type, const uint8_t *panel, int64_t K, float *out)
+{
+    const int64_t gb = probity_group_bytes(type);
+    for (int64_t g = 0; g < K / 32; g++)
+        decode_group(type, panel + g * gb, out + g * 32 * 16);
+}
+
+/* The expanded weights, row-major [N][K] (wide calls run oneDNN on them; tests compare them
+ * with the reference de-quantization). */
+void probity_expand(int type, const uint8_t *packed, int64_t N, int64_t K, float *out)
+{
+    const int64_t panels = (N + 15) / 16, pb = K / 32 * probity_group_bytes(type);
+#pragma omp parallel
+    {
+        float *buf = aligned_alloc(64, K * 16 * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            decode_panel(type, packed + p * pb, K, buf);
+            const int64_t rows = N - p * 16 < 16 ? N - p * 16 : 16;
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t k = 0; k < K; k++) out[(p * 16 + r) * K + k] = buf[k * 16 + r];
+        }
+        free(buf);
+    }
+}
+
+/* Rows `ids` of the expanded weight (an embedding lookup), out [n][K]. */
+void probity_expand_rows(int type, const uint8_t *packed, int64_t K, const int64_t *ids, int64_t n, float *out)
+{
+    const int64_t pb = K / 32 * probity_group_bytes(type);
+    float *buf = aligned_alloc(64, K * 16 * sizeof(float));
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t p = ids[i] / 16, r = ids[i] % 16;
+        decode_panel(type, packed + p * pb, K, buf);
+        for (int64_t k = 0; k < K; k++) out[i * K + k] = buf[k * 16 + r];
+    }
+    free(buf);
+}
+
+void probity_linear_tile(int mr, const float *x, int64_t ldx, const float *w, int64_t K, int64_t kb,
+                         const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols);
+
+/* ---- AVX-512: a row tile of up to 6 rows over a panel, each position of 16 rows decoded into
+ * one register right before the tile's FMAs use it (no expanded copy). The same values (one
+ * IEEE op per element, in the reference's order) and the same FMA chains, so the same bits. */
+#define A512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+
+A512 static inline __m512 h16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+A512 static inline __m512 u8f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+A512 static inline __m512 i8f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* the 16 rows' value at position j (0..31) of group g, as float32 */
+A512 static inline __attribute__((always_inline)) __m512 pos512(const int type, const uint8_t *g, const int j,
+                                                                const __m512 s, const __m512 m, const __m512 s1)
+{
+    if (type == T_F16) return h16(g + j * 32);
+    if (type == T_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + j * 32))), 16));
+    if (type == T_Q8_0) return _mm512_mul_ps(s, i8f(g + 32 + j * 16));
+    const int hdr = (type == T_Q4_0 || type == T_Q5_0) ? 32 : (type == T_Q4_K || type == T_Q5_K) ? 96 : 64;
+    const uint8_t *vals = g + hdr;
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vals + (j & 15) * 16)));
+    __m512i q = j < 16 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
+    if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+        const __m512i h = _mm512_loadu_si512((const void *)(vals + 256));
+        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, j), _mm512_set1_epi32(1)), 4));
+    } else if (type == T_Q6_K) {
+        const __m512i h = _mm512_loadu_si512((const void *)(vals + 256 + (j < 16 ? 0 : 64)));
+        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * (j & 15)), _mm512_set1_epi32(3)), 4));
+    }
+    switch (type) {
+    case T_Q4_0: return _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
+    case T_Q5_0: return _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(16))));
+    case T_Q4_1: case T_Q5_1: return _mm512_add_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(q)), m);
+    case T_Q4_K: case T_Q5_K: return _mm512_sub_ps(_mm512_mul_ps(s, _mm512_cvtepi32_ps(q)), m);
+    default: return _mm512_mul_ps(j < 16 ? s : s1, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))));
+    }
+}
+
+/* the group's scales: s (and m or s1) per row, as the reference computes them */
+A512 static inline __attribute__((always_inline)) void scales512(const int type, const uint8_t *g, __m512 *s, __m512 *m,
+                                                                 __m512 *s1)
+{
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0: *s = h16(g); break;
+    case T_Q4_1: case T_Q5_1: *s = h16(g); *m = h16(g + 32); break;
+    case T_Q4_K: case T_Q5_K:
+        *s = _mm512_mul_ps(h16(g), u8f(g + 64));
+        *m = _mm512_mul_ps(h16(g + 32), u8f(g + 80));
+        break;
+    case T_Q6_K: {
+        const __m512 d = h16(g);
+        *s = _mm512_mul_ps(d, i8f(g + 32));
+        *s1 = _mm512_mul_ps(d, i8f(g + 48));
+        break;
+    }
+    default: break;
+    }
+}
+
+A512 static inline __attribute__((always_inline)) void fused512(
+    const int type, const int mr, const float *x, int64_t ldx, const uint8_t *panel, int64_t K, int64_t kb,
+    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
+{
+    const int64_t gb = probity_group_bytes(type);
+    __m512 c[6];
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t k1 = k0 + kb < K ? k0 + kb : K;
+        __m512 a[6];
+        for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 32) {
+            const uint8_t *g = panel + (k / 32) * gb;
+            __m512 s = _mm512_setzero_ps(), m = s, s1 = s;
+            scales512(type, g, &s, &m, &s1);
+#pragma GCC unroll 4
+            for (int j = 0; j < 32; j++) {
+                const __m512 w = pos512(type, g, j, s, m, s1);
+                for (int r = 0; r < mr; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + j]), w, a[r]);
+            }
+        }
+        for (int r = 0; r < mr; r++) c[r] = k0 == 0 ? a[r] : _mm512_add_ps(c[r], a[r]);
+    }
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < mr; r++) {
+        __m512 o = c[r];
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, bias));
+        if (res) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, res + r * ldr));
+        _mm512_mask_storeu_ps(y + r * ldy, keep, o);
+    }
+}
+
+#define FUSED_TYPES(mr) \
+    switch (type) { \
+    case T_F16: fused512(T_F16, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_BF16: fused512(T_BF16, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q8_0: fused512(T_Q8_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_0: fused512(T_Q4_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_1: fused512(T_Q4_1, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_0: fused512(T_Q5_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_1: fused512(T_Q5_1, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_K: fused512(T_Q4_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_K: fused512(T_Q5_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    default: fused512(T_Q6_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    }
+
+A512 static void fused_tile512(int type, int mr, const float *x, int64_t ldx, const uint8_t *panel, int64_t K,
+                               int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy,
+                               int ncols)
+{
+    switch (mr) {
+    case 1: FUSED_TYPES(1) break;
+    case 2: FUSED_TYPES(2) break;
+    case 3: FUSED_TYPES(3) break;
+    case 4: FUSED_TYPES(4) break;
+    case 5: FUSED_TYPES(5) break;
+    default: FUSED_TYPES(6) break;
+    }
+}
+
+static int has_avx512(void)
+{
+    static int known = -1;
+    if (known < 0)
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512vl");
+    return known;
+}
+
+/* y = x W^T (+ b) (+ r) for x [M <= 32, K] and W stored as `type`: each panel expanded into a
+ * per-thread buffer, then the float32 kernel's own tile over it, so every output is the same
+ * FMA chain as with the float32 weights. */
+void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t N,
+                           int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y,
+                           int64_t ldy)
+{
+    const int64_t panels = (N + 15) / 16, pb = K / 32 * probity_group_bytes(type);
+    if (M <= 6 && has_avx512()) {
+#pragma omp parallel for schedule(static)
+        for (int64_t j = 0; j < panels; j++) {
+            const int64_t n0 = j * 16;
+            fused_tile512(type, (int)M, x, ldx, packed + j * pb, K, kb, bias ? bias + n0 : 0, res ? res + n0 : 0, ldr,
+                          y + n0, ldy, N - n0 < 16 ? (int)(N - n0) : 16);
+        }
+        return;
+    }
+#pragma omp parallel
+    {
+        float *buf = aligned_alloc(64, K * 16 * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < panels; j++) {
+            if (j + 1 < panels)
+                for (int64_t o = 0; o < pb; o += 64)
+                    _mm_prefetch((const char *)(packed + (j + 1) * pb + o), _MM_HINT_T1);
+            decode_panel(type, packed + j * pb, K, buf);
+            const int64_t n0 = j * 16;
+            const int ncols = N - n0 < 16 ? (int)(N - n0) : 16;
+            for (int64_t m0 = 0; m0 < M; m0 += 6) {
+                const int mr = M - m0 >= 6 ? 6 : (int)(M - m0);
+                probity_linear_tile(mr, x + m0 * ldx, ldx, buf, K, kb, bias ? bias + n0 : 0,
+                                    res ? res + m0 * ldr + n0 : 0, ldr, y + m0 * ldy + n0, ldy, ncols);
+            }
+        }
+        free(buf);
+    }
+}
