@@ -208,3 +208,25 @@ def test_families_through_the_server(family_server):
     chat = s.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 5, "temperature": 0,
                                                "messages": [{"role": "user", "content": "Hi"}]})
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_refused_family_is_one_named_line_and_a_non_zero_exit(tiny_model_dir, tmp_path):
+    """`probity serve` on a model the engine cannot serve exactly: the engine's one line names the
+    family, the reason and vLLM; the server adds one line and exits 3; no traceback."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import ROOT
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    folder = tmp_path / "tiny-bloom"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("bloom", vocab_size=len(tok), hidden_size=32, n_layer=1,
+                                                          n_head=2)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    p = subprocess.run([sys.executable, "-m", "probity", "serve", "--model", str(folder), "--port", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 3 and "Traceback" not in p.stderr
+    line = next(l for l in p.stderr.splitlines() if "error:" in l)
+    assert "model type 'bloom'" in line and "--backend vllm" in line
