@@ -304,17 +304,7 @@ class TransformersModel:
         hf_model.float()
         self.dispatch = _LinearDispatch(hf_model)
         self.sdpa: _SdpaRoute | None = None
-        with self.dispatch.active():
-            self.reference_ids, self.reference = self._reference(hf_model, RECORD)
-        dims = {getattr(m, "_probity_seen", None) for m in self.base.modules()} - {None}
-        if not dims:   # its attention does not go through transformers' interface: try torch's SDPA
-            self.sdpa = _SdpaRoute()
-            if self.sdpa.attach(self.base):
-                with self.sdpa.active(), self.dispatch.active():
-                    self.reference_ids, self.reference = self._reference(hf_model, "sdpa")
-            dims = {getattr(m, "_probity_seen", None) for m in self.base.modules()} - {None}
-        if not dims:
-            raise Unsupported("its attention goes neither through transformers' attention interface nor torch's SDPA")
+        dims = self._attention_dims(hf_model)
         if any(d[5] for d in dims):
             raise Unsupported("attention sinks")
         shapes = {d[:3] for d in dims}
@@ -322,20 +312,14 @@ class TransformersModel:
             raise Unsupported(f"attention layers of different shapes {sorted(shapes)}")
         self.n_heads, self.n_kv, self.head_dim = shapes.pop()
         self.group = self.n_heads // self.n_kv
-        self.windows = sorted({d[3] for d in dims if d[3]})
-        self.softcap = {d[4] for d in dims if d[4]}
         self.layers = sum(1 for m in self.base.modules() if hasattr(m, "_probity_seen"))
         self.hidden_size = cfg.get_text_config().hidden_size
         self.head = hf_model.get_output_embeddings()
         if not isinstance(self.head, InvariantLinear):
             raise Unsupported("an output head that is not a linear layer")
         self.vocab_size = self.head.lin.out_features
-        self._linears = []
-        for m in hf_model.modules():
-            if isinstance(m, InvariantLinear):
-                self._linears.append(m.lin)
-            elif isinstance(m, InvariantExperts):
-                self._linears += m.gate_up + m.down
+        self._linears = [lin for m in hf_model.modules() for lin in (
+            [m.lin] if isinstance(m, InvariantLinear) else m.gate_up + m.down if isinstance(m, InvariantExperts) else [])]
         self._linears += list(self.dispatch.lins.values())
         for m in self.base.modules():
             if hasattr(m, "_probity_seen"):
@@ -350,6 +334,23 @@ class TransformersModel:
         self.kv: PagedKV | None = None
         self.slots: torch.Tensor | None = None
         self.groups: list[AttnGroup] = []
+
+    def _attention_dims(self, hf_model) -> set[tuple]:
+        """Each attention layer's (heads, KV heads, head dim, window, softcap, sinks), noted while
+        transformers' own forward computes the reference; through its attention interface, or,
+        for modules that call torch's SDPA themselves, through that call."""
+        with self.dispatch.active():
+            self.reference_ids, self.reference = self._reference(hf_model, RECORD)
+        dims = {getattr(m, "_probity_seen", None) for m in self.base.modules()} - {None}
+        if not dims:
+            self.sdpa = _SdpaRoute()
+            if self.sdpa.attach(self.base):
+                with self.sdpa.active(), self.dispatch.active():
+                    self.reference_ids, self.reference = self._reference(hf_model, "sdpa")
+            dims = {getattr(m, "_probity_seen", None) for m in self.base.modules()} - {None}
+        if not dims:
+            raise Unsupported("its attention goes neither through transformers' attention interface nor torch's SDPA")
+        return dims
 
     @torch.inference_mode()
     def _reference(self, hf_model, impl: str) -> tuple[list[int], torch.Tensor]:

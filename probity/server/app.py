@@ -4,12 +4,12 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import sys
 import re
+import sys
 import time
 import uuid
-from urllib.parse import quote
 from contextlib import asynccontextmanager
+from urllib.parse import quote
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -50,7 +50,6 @@ def create_app(config: Config) -> FastAPI:
     svc.metrics.routes = app.router.routes
     # `/v1/completions/` is not a route: a 404 in the envelope, not a 307 with an empty body.
     app.router.redirect_slashes = False
-
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -58,28 +57,20 @@ def create_app(config: Config) -> FastAPI:
                            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
                                           "x-request-id"], expose_headers=["x-request-id", "x-queue-wait-ms"])
     app.add_middleware(Envelope, svc=svc)
-
-    async def handle(request: Request, fn, anthropic: bool = False) -> Response:
-        try:
-            body = await read_json(request, config.max_body, config.body_timeout)
-            result = await fn(svc, request, body)
-            return JSONResponse(result) if isinstance(result, dict) else result
-        except APIError as e:
-            return e.response(anthropic)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:  # a bug: still a named error in the right envelope, never a bare 500
-            log.exception("unhandled error on %s", request.url.path)
-            return APIError("internal_error", f"internal error: {type(e).__name__}").response(anthropic)
-
-    from . import anthropic_api, openai_api, tokenizer_api
-
     inspector.add_routes(app)
     api_docs.add_routes(app)
+    _add_api_routes(app, svc)
+    _add_info_routes(app, svc)
+    _add_error_handlers(app)
+    return app
 
+
+def _api_routes():
+    """(path, endpoint, Anthropic envelope, accepted fields, required fields) of every POST route."""
+    from . import anthropic_api, openai_api, tokenizer_api
     from .validation import CHAT_FIELDS, COMPLETION_FIELDS
 
-    routes = [
+    return [
         ("/v1/completions", openai_api.completions, False, COMPLETION_FIELDS, {"model", "prompt"}),
         ("/v1/chat/completions", openai_api.chat_completions, False, CHAT_FIELDS, {"model", "messages"}),
         ("/v1/messages", anthropic_api.messages, True, anthropic_api.MESSAGE_FIELDS,
@@ -90,13 +81,29 @@ def create_app(config: Config) -> FastAPI:
         ("/detokenize", tokenizer_api.detokenize, False, tokenizer_api.DETOKENIZE_FIELDS, {"tokens"}),
     ]
 
+
+def _add_api_routes(app: FastAPI, svc: Service) -> None:
+    """The POST routes: each reads its body here (capped, strict), validates it itself and
+    answers every error in its API's envelope."""
+    config = svc.config
+
     def endpoint_for(fn, anthropic: bool):
-        async def endpoint(request: Request):
-            return await handle(request, fn, anthropic)
+        async def endpoint(request: Request) -> Response:
+            try:
+                body = await read_json(request, config.max_body, config.body_timeout)
+                result = await fn(svc, request, body)
+                return JSONResponse(result) if isinstance(result, dict) else result
+            except APIError as e:
+                return e.response(anthropic)
+            except ClientGone:
+                return Response(status_code=499)
+            except Exception as e:  # a bug: still a named error in the right envelope, never a bare 500
+                log.exception("unhandled error on %s", request.url.path)
+                return APIError("internal_error", f"internal error: {type(e).__name__}").response(anthropic)
         endpoint.__doc__ = fn.__doc__
         return endpoint
 
-    for path, fn, anthropic, fields, required in routes:
+    for path, fn, anthropic, fields, required in _api_routes():
         # The body is validated by probity's own code (named errors, not FastAPI's 422); this
         # schema lists the accepted fields for the OpenAPI page. docs/api.md has their ranges.
         schema = {"type": "object", "additionalProperties": False, "required": sorted(required),
@@ -105,6 +112,17 @@ def create_app(config: Config) -> FastAPI:
                           summary=f"{path} (fields and ranges: docs/api.md)",
                           openapi_extra={"requestBody": {"required": True, "content": {
                               "application/json": {"schema": schema}}}})
+
+
+def _add_info_routes(app: FastAPI, svc: Service) -> None:
+    """The GET routes: the model card, the tokenizer, health and metrics."""
+    from . import tokenizer_api
+
+    def served():
+        try:
+            return svc.ready_info()["model"]
+        except APIError as e:
+            return e.response()
 
     @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
     async def tokenizer_info(request: Request):
@@ -115,18 +133,14 @@ def create_app(config: Config) -> FastAPI:
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
-        try:
-            m = svc.ready_info()["model"]
-        except APIError as e:
-            return e.response()
-        return {"object": "list", "data": [_model_card(m)]}
+        m = served()
+        return m if isinstance(m, Response) else {"object": "list", "data": [_model_card(m)]}
 
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
-        try:
-            m = svc.ready_info()["model"]
-        except APIError as e:
-            return e.response()
+        m = served()
+        if isinstance(m, Response):
+            return m
         if model_id != m["id"]:
             return APIError("model_not_found", f"model '{model_id}' is not served here", "model").response()
         return _model_card(m)
@@ -143,6 +157,8 @@ def create_app(config: Config) -> FastAPI:
     async def metrics():
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(StarletteHTTPException)
@@ -152,8 +168,6 @@ def create_app(config: Config) -> FastAPI:
             return APIError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}",
                             headers=dict(exc.headers or {})).response(anthropic)
         return APIError("not_found", f"no route {request.method} {request.url.path}").response(anthropic)
-
-    return app
 
 
 class Envelope:
