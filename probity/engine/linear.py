@@ -7,11 +7,12 @@ Calls of up to kernels.MAX_ROWS rows (decode steps) run through probity's own ke
 streams the weights once and reduces in oneDNN's own order, where calibration found a k-block
 with which it gives oneDNN's bits.
 
-A weight kept as stored (stored.py: bf16, f16, GGUF blocks) is never held in float32: a narrow
-call expands it panel by panel inside the kernel, a wide call into a scratch buffer the size of
-the largest such layer, which oneDNN then reads as a plain float32 weight (the same bits as
-the prepacked one for every call of two rows or more, measured; calibration checks the calls
-it serves)."""
+A weight kept as stored (stored.py: bf16, f16, GGUF blocks) is never held in float32: the kernel
+expands it panel by panel as it goes — for calls of every row count where the CPU has AVX-512
+(stored.c's wide kernel; calibration checks it at a wide call too), else up to MAX_ROWS rows,
+wider calls then expanding the layer into a scratch buffer the size of the largest such layer,
+which oneDNN reads as a plain float32 weight (the same bits as the prepacked one for every
+call of two rows or more, measured; calibration checks the calls it serves)."""
 from __future__ import annotations
 
 import torch
@@ -35,6 +36,14 @@ def _expanded(w: StoredWeight) -> torch.Tensor:
 
 def scratch_bytes() -> int:
     return _scratch.numel() * 4
+
+
+def release_scratch(linears) -> None:
+    """Free the scratch buffer when no stored linear among `linears` will expand into it again
+    (the kernel serves all their calls); calibration's oneDNN reference calls filled it."""
+    global _scratch
+    if all(lin.stored is None or (lin.wide and lin.kb is not None) for lin in linears):
+        _scratch = torch.empty(0)
 
 
 class Linear:
@@ -66,6 +75,12 @@ class Linear:
         return self.out_features, self.in_features, self.b is not None, self.residual, self.stored is not None
 
     @property
+    def wide(self) -> bool:
+        """Whether probity's kernel takes this linear's calls of every row count (a stored
+        weight where the wide AVX-512 kernel is built), not only up to kernels.MAX_ROWS."""
+        return self.stored is not None and kernels.stored_wide()
+
+    @property
     def has_kernel(self) -> bool:
         return kernels.lib() is not None and (self.stored is not None or self.packed is not None)
 
@@ -92,7 +107,7 @@ class Linear:
         output (one pass over the rows instead of two). It is the same IEEE add of the same two
         floats, so the bits are those of `residual + self(x)`."""
         n = x.shape[0]
-        if self.kb is not None and n <= kernels.MAX_ROWS:
+        if self.kb is not None and (n <= kernels.MAX_ROWS or self.wide):
             return self.narrow(x, self.kb, residual)
         if n >= self.min_rows:
             return self.gemm(x, residual)

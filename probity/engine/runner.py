@@ -12,7 +12,7 @@ import torch
 from .attention import KEY_ALIGN, AttnGroup, Kept, masks
 from .calibration import Calibrated, Calibration, calibrate
 from .kv_cache import EchoCache
-from .linear import scratch_bytes
+from .linear import release_scratch, scratch_bytes
 from .log import log
 from .model import UnsupportedModel
 from .tables import top_lists, with_chosen
@@ -95,6 +95,7 @@ class ModelRunner:
         self.calibrated: Calibrated = calibrate(self.model, row_buckets(max(max_rows, PROBE_ROWS)), calibration)
         for line in self.calibrated.describe():
             log(line)
+        release_scratch(self.model.linears())
         self.min_rows = self.calibrated.attention_floor
         self.kept_keys_bytes = kept_keys_bytes
         self.vocab_size = self.model.vocab_size

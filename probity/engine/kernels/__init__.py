@@ -91,15 +91,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, kb: int,
     return y
 
 
+def stored_wide() -> bool:
+    """Whether linear_stored takes calls of any row count here (its AVX-512 wide kernel), not
+    only up to MAX_ROWS."""
+    return lib() is not None and bool(_lib.probity_stored_wide())
+
+
 def linear_stored(x: torch.Tensor, w, kb: int, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for a weight kept as stored (stored.StoredWeight): each panel expanded in the
-    kernel to the reference de-quantization's float32 values, then the same FMA chains."""
+    kernel to the reference de-quantization's float32 values, then the same FMA chains. Any
+    row count where stored_wide(), else up to MAX_ROWS."""
     x = x.contiguous()
     m, k = x.shape
     n = w.shape[0]
     _f32(x, 2, "linear x")
-    if m > MAX_ROWS or w.shape[1] != k:
+    if (m > MAX_ROWS and not stored_wide()) or w.shape[1] != k:
         raise ValueError(f"linear: {m} rows of {k} against a stored weight {w.shape}")
     if residual is not None:
         residual = residual.contiguous()

@@ -100,4 +100,6 @@ def load(constants: dict[str, int]) -> tuple[ctypes.CDLL | None, str | None]:
         fn.restype = None
     lib.probity_group_bytes.argtypes = [_c]
     lib.probity_group_bytes.restype = ctypes.c_int64
+    lib.probity_stored_wide.argtypes = []
+    lib.probity_stored_wide.restype = ctypes.c_int
     return lib, None

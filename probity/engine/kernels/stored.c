@@ -324,6 +324,124 @@ A512 static void fused_tile512(int type, int mr, const float *x, int64_t ldx, co
     }
 }
 
+/* ---- AVX-512: calls of more than 6 rows (batched decode, prefill, scoring) -------------
+ * Per pair of panels (32 outputs), per k-block of kb values (the blocks of the FMA chains),
+ * the pair's block is decoded once into a per-thread buffer [kb][32] (each position of 16 rows
+ * by pos512, the fused kernel's decode) and every row tile of up to 12 rows runs its chains
+ * over it. A block's chain sums land in y: y = block 0, then y = y + block i, then + bias,
+ * then + residual — the adds of fused512 in the same order, so the same bits; only where the
+ * running sum waits between blocks changes (y instead of a register). */
+static int has_avx512(void);
+#define WIDE_MR 12
+#define WIDE_MC 256   /* at most this many rows per chunk: their inputs (256 x K floats) stay in L2 */
+
+A512 static inline __attribute__((always_inline)) void decode_block512(const int type, const uint8_t *panel,
+                                                                       int64_t k0, int64_t k1, float *out, int ld)
+{
+    const int64_t gb = probity_group_bytes(type);
+    for (int64_t k = k0; k < k1; k += 32) {
+        const uint8_t *g = panel + (k / 32) * gb;
+        __m512 s = _mm512_setzero_ps(), m = s, s1 = s;
+        scales512(type, g, &s, &m, &s1);
+#pragma GCC unroll 4
+        for (int j = 0; j < 32; j++) _mm512_store_ps(out + (k - k0 + j) * ld, pos512(type, g, j, s, m, s1));
+    }
+}
+
+A512 static inline __attribute__((always_inline)) void wide_tile512(
+    const int mr, const int two, const float *x, int64_t ldx, const float *w, int64_t kl, int first, int last,
+    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, __mmask16 keep0, __mmask16 keep1)
+{
+    __m512 a0[WIDE_MR], a1[WIDE_MR];
+    for (int r = 0; r < mr; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
+    for (int64_t k = 0; k < kl; k++) {
+        const __m512 w0 = _mm512_load_ps(w + k * 32);
+        const __m512 w1 = two ? _mm512_load_ps(w + k * 32 + 16) : w0;
+        for (int r = 0; r < mr; r++) {
+            const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+            a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
+            if (two) a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        for (int h = 0; h < 1 + two; h++) {
+            const __mmask16 keep = h ? keep1 : keep0;
+            float *yo = y + r * ldy + h * 16;
+            __m512 o = h ? a1[r] : a0[r];
+            if (!first) o = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yo), o);
+            if (last && bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, bias + h * 16));
+            if (last && res) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, res + r * ldr + h * 16));
+            _mm512_mask_storeu_ps(yo, keep, o);
+        }
+    }
+}
+
+#define WIDE_ROWS(two) \
+    switch (mr) { \
+    case 12: wide_tile512(12, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 11: wide_tile512(11, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 10: wide_tile512(10, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 9: wide_tile512(9, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 8: wide_tile512(8, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 7: wide_tile512(7, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 6: wide_tile512(6, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 5: wide_tile512(5, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 4: wide_tile512(4, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 3: wide_tile512(3, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 2: wide_tile512(2, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    default: wide_tile512(1, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    }
+
+#define WIDE_DECODE(T) \
+    case T: decode_block512(T, packed + j * pb, k0, k1, buf, 32); \
+            if (two) decode_block512(T, packed + (j + 1) * pb, k0, k1, buf + 16, 32); break;
+
+A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t N, int64_t K,
+                         int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy)
+{
+    const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2, pb = K / 32 * probity_group_bytes(type);
+    /* equal chunks of whole tiles: with collapse(2) static, each thread gets an equal share */
+    const int64_t chunks = (M + WIDE_MC - 1) / WIDE_MC;
+    const int64_t mc = ((M + chunks - 1) / chunks + WIDE_MR - 1) / WIDE_MR * WIDE_MR;
+#pragma omp parallel
+    {
+        float *buf = aligned_alloc(64, kb * 32 * sizeof(float));
+        /* rows in chunks of at most WIDE_MC, whose inputs stay in L2 while every pair runs over
+         * them (each pair's blocks decoded once per chunk) */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t c = 0; c < chunks; c++)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t j = 2 * p, n0 = j * 16;
+            const int two = j + 1 < panels;
+            const int64_t left = N - n0;
+            const __mmask16 keep0 = (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1);
+            const __mmask16 keep1 = (__mmask16)(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1);
+            const float *bj = bias ? bias + n0 : 0;
+            /* the pair's outputs for all rows stay in cache from one block to the next */
+            for (int64_t k0 = 0; k0 < K; k0 += kb) {
+                const int64_t k1 = k0 + kb < K ? k0 + kb : K;
+                switch (type) {
+                WIDE_DECODE(T_F16) WIDE_DECODE(T_BF16) WIDE_DECODE(T_Q8_0) WIDE_DECODE(T_Q4_0)
+                WIDE_DECODE(T_Q4_1) WIDE_DECODE(T_Q5_0) WIDE_DECODE(T_Q5_1) WIDE_DECODE(T_Q4_K)
+                WIDE_DECODE(T_Q5_K) WIDE_DECODE(T_Q6_K)
+                default: break;
+                }
+                const int64_t m1 = (c + 1) * mc < M ? (c + 1) * mc : M;
+                for (int64_t m0 = c * mc; m0 < m1; m0 += WIDE_MR) {
+                    const int mr = m1 - m0 >= WIDE_MR ? WIDE_MR : (int)(m1 - m0);
+                    const float *xm = x + m0 * ldx + k0;
+                    const float *rm = res ? res + m0 * ldr + n0 : 0;
+                    float *ym = y + m0 * ldy + n0;
+                    if (two) { WIDE_ROWS(1) } else { WIDE_ROWS(0) }
+                }
+            }
+        }
+        free(buf);
+    }
+}
+
+int probity_stored_wide(void) { return has_avx512(); }
+
 static int has_avx512(void)
 {
     static int known = -1;
@@ -333,8 +451,9 @@ static int has_avx512(void)
     return known;
 }
 
-/* y = x W^T (+ b) (+ r) for x [M <= 32, K] and W stored as `type`: each panel expanded into a
- * per-thread buffer, then the float32 kernel's own tile over it, so every output is the same
+/* y = x W^T (+ b) (+ r) for x [M, K] and W stored as `type`: up to 6 rows fused (fused512),
+ * more rows by wide512 — both AVX-512; without AVX-512 (M <= 32 then) each panel expanded into
+ * a per-thread buffer and the float32 kernel's own tile run over it. Every output is the same
  * FMA chain as with the float32 weights. */
 void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t N,
                            int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y,
@@ -348,6 +467,10 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
             fused_tile512(type, (int)M, x, ldx, packed + j * pb, K, kb, bias ? bias + n0 : 0, res ? res + n0 : 0, ldr,
                           y + n0, ldy, N - n0 < 16 ? (int)(N - n0) : 16);
         }
+        return;
+    }
+    if (has_avx512()) {
+        wide512(type, x, ldx, M, packed, N, K, kb, bias, res, ldr, y, ldy);
         return;
     }
 #pragma omp parallel
