@@ -1,8 +1,8 @@
 """7B-class models as stored, on this machine: a Llama-shaped random-weight checkpoint of the
 real dimensions (Llama-2-7B: hidden 4096, 32 layers, 32 heads, FFN 11008, vocab 32000) written
 as bf16 safetensors (~13.5 GB) and as a Q4_K GGUF (~4 GB), each served by probity; reported:
-load time (process start to /health ok), the engine's memory by part, and single-stream decode
-tokens/s.
+load time (process start to /health ok), the engine's memory by part, the 16-token prompt's
+prefill time and single-stream decode tokens/s (from a streamed response's token times).
 
     .venv/bin/python bench/bench_big.py [--dir /var/tmp/probity-big] [--only bf16,q4k] [--tokens 32]
 
@@ -155,12 +155,18 @@ def serve_and_measure(model: Path, label: str, tokens: int) -> dict:
         body = {"model": mid, "prompt": list(range(1000, 1016)), "max_tokens": tokens, "temperature": 0,
                 "logit_bias": {"2": -100}}
         httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=3600)   # warm
+        # streamed: the first token's time is the prompt's prefill, the rest one decode step each
         t = time.monotonic()
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=3600).json()
-        dt = time.monotonic() - t
+        stamps = []
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=3600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"] is not None:
+                    stamps.append(time.monotonic())
+        first, decode = stamps[0] - t, (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
         health = s.get("/health").json()["engine"]
         return {"model": label, "file_gb": sum(f.stat().st_size for f in ([model] if model.is_file() else model.iterdir())) / 1e9,
-                "load_s": load_s, "tokens_per_s": r["usage"]["completion_tokens"] / dt,
+                "load_s": load_s, "prefill_16_tokens_s": first, "decode_tokens_per_s": 1 / decode,
+                "decode_step_ms": decode * 1e3, "tokens": len(stamps),
                 "memory_gib": {k: v / 2**30 for k, v in health["memory"].items()},
                 "resident_now_gib": health["stats"].get("resident_bytes", 0) / 2**30}
     finally:

@@ -74,21 +74,27 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, kb: int,
            bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) (+ residual) for x [M <= MAX_ROWS, K]: one FMA chain over k from zero,
     restarted every kb values, the block sums added in order, then the bias, then the residual."""
-    x = x.contiguous()
+    x, residual = _linear_args(x, residual, out_features)
     m, k = x.shape
-    _f32(x, 2, "linear x")
     if m > MAX_ROWS or packed.shape[1] != k or packed.shape[0] * PANEL < out_features:
         raise ValueError(f"linear: {m} rows of {k} against packed {tuple(packed.shape)} for {out_features} outputs")
-    if residual is not None:
-        residual = residual.contiguous()
-        if residual.shape != (m, out_features):
-            raise ValueError(f"linear: residual {tuple(residual.shape)} for output ({m}, {out_features})")
     y = torch.empty(m, out_features)
     _lib.probity_linear(x.data_ptr(), k, m, packed.data_ptr(), out_features, k, kb,
                         None if bias is None else bias.data_ptr(),
                         None if residual is None else residual.data_ptr(), out_features,
                         y.data_ptr(), out_features)
     return y
+
+
+def _linear_args(x: torch.Tensor, residual: torch.Tensor | None, n: int):
+    """x and the residual, contiguous and checked, for a linear of n outputs."""
+    x = x.contiguous()
+    _f32(x, 2, "linear x")
+    if residual is not None:
+        residual = residual.contiguous()
+        if residual.shape != (x.shape[0], n):
+            raise ValueError(f"linear: residual {tuple(residual.shape)} for output ({x.shape[0]}, {n})")
+    return x, residual
 
 
 def stored_wide() -> bool:
@@ -102,16 +108,11 @@ def linear_stored(x: torch.Tensor, w, kb: int, bias: torch.Tensor | None = None,
     """`linear` for a weight kept as stored (stored.StoredWeight): each panel expanded in the
     kernel to the reference de-quantization's float32 values, then the same FMA chains. Any
     row count where stored_wide(), else up to MAX_ROWS."""
-    x = x.contiguous()
-    m, k = x.shape
     n = w.shape[0]
-    _f32(x, 2, "linear x")
+    x, residual = _linear_args(x, residual, n)
+    m, k = x.shape
     if (m > MAX_ROWS and not stored_wide()) or w.shape[1] != k:
         raise ValueError(f"linear: {m} rows of {k} against a stored weight {w.shape}")
-    if residual is not None:
-        residual = residual.contiguous()
-        if residual.shape != (m, n):
-            raise ValueError(f"linear: residual {tuple(residual.shape)} for output ({m}, {n})")
     y = torch.empty(m, n)
     _lib.probity_linear_stored(w.code, x.data_ptr(), k, m, w.packed.data_ptr(), n, k, kb,
                                None if bias is None else bias.data_ptr(),

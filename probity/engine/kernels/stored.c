@@ -265,72 +265,85 @@ A512 static inline __attribute__((always_inline)) void scales512(const int type,
     }
 }
 
+/* Up to 6 rows over np panels side by side (np x 16 outputs): np x mr independent FMA chains in
+ * flight. One row over one panel is a single chain, whose FMA latency (4 cycles per 16 weights)
+ * and not memory set a decode step's pace; four panels at once hide it. Each output's chain is
+ * the same whatever np, so the bits are too. `ncols`: outputs of the last of the np panels. */
 A512 static inline __attribute__((always_inline)) void fused512(
-    const int type, const int mr, const float *x, int64_t ldx, const uint8_t *panel, int64_t K, int64_t kb,
-    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
+    const int type, const int mr, const int np, const float *x, int64_t ldx, const uint8_t *panel, int64_t pb,
+    int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
 {
     const int64_t gb = probity_group_bytes(type);
-    __m512 c[6];
+    __m512 c[4][6];
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
         const int64_t k1 = k0 + kb < K ? k0 + kb : K;
-        __m512 a[6];
-        for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
+        __m512 a[4][6];
+        for (int p = 0; p < np; p++)
+            for (int r = 0; r < mr; r++) a[p][r] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += 32) {
-            const uint8_t *g = panel + (k / 32) * gb;
-            __m512 s = _mm512_setzero_ps(), m = s, s1 = s;
-            scales512(type, g, &s, &m, &s1);
-#pragma GCC unroll 4
-            for (int j = 0; j < 32; j++) {
-                const __m512 w = pos512(type, g, j, s, m, s1);
-                for (int r = 0; r < mr; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + j]), w, a[r]);
+            const uint8_t *g[4];
+            __m512 s[4], m[4], s1[4];
+            for (int p = 0; p < np; p++) {
+                g[p] = panel + p * pb + (k / 32) * gb;
+                s[p] = _mm512_setzero_ps(); m[p] = s[p]; s1[p] = s[p];
+                scales512(type, g[p], &s[p], &m[p], &s1[p]);
             }
+#pragma GCC unroll 4
+            for (int j = 0; j < 32; j++)
+                for (int p = 0; p < np; p++) {
+                    const __m512 w = pos512(type, g[p], j, s[p], m[p], s1[p]);
+                    for (int r = 0; r < mr; r++)
+                        a[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + j]), w, a[p][r]);
+                }
         }
-        for (int r = 0; r < mr; r++) c[r] = k0 == 0 ? a[r] : _mm512_add_ps(c[r], a[r]);
+        for (int p = 0; p < np; p++)
+            for (int r = 0; r < mr; r++) c[p][r] = k0 == 0 ? a[p][r] : _mm512_add_ps(c[p][r], a[p][r]);
     }
-    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
-    for (int r = 0; r < mr; r++) {
-        __m512 o = c[r];
-        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, bias));
-        if (res) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, res + r * ldr));
-        _mm512_mask_storeu_ps(y + r * ldy, keep, o);
+    for (int p = 0; p < np; p++) {
+        const __mmask16 keep = (__mmask16)(p == np - 1 ? (1u << ncols) - 1 : 0xFFFF);
+        for (int r = 0; r < mr; r++) {
+            __m512 o = c[p][r];
+            if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, bias + p * 16));
+            if (res) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(keep, res + r * ldr + p * 16));
+            _mm512_mask_storeu_ps(y + r * ldy + p * 16, keep, o);
+        }
     }
 }
 
-#define FUSED_TYPES(mr) \
+#define FUSED_TYPES(mr, np) \
     switch (type) { \
-    case T_F16: fused512(T_F16, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_BF16: fused512(T_BF16, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_Q8_0: fused512(T_Q8_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_Q4_0: fused512(T_Q4_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_Q4_1: fused512(T_Q4_1, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_Q5_0: fused512(T_Q5_0, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_Q5_1: fused512(T_Q5_1, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_Q4_K: fused512(T_Q4_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    case T_Q5_K: fused512(T_Q5_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
-    default: fused512(T_Q6_K, mr, x, ldx, panel, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_F16: fused512(T_F16, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_BF16: fused512(T_BF16, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q8_0: fused512(T_Q8_0, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_0: fused512(T_Q4_0, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_1: fused512(T_Q4_1, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_0: fused512(T_Q5_0, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_1: fused512(T_Q5_1, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_K: fused512(T_Q4_K, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_K: fused512(T_Q5_K, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    default: fused512(T_Q6_K, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
     }
 
-A512 static void fused_tile512(int type, int mr, const float *x, int64_t ldx, const uint8_t *panel, int64_t K,
-                               int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy,
-                               int ncols)
+/* panels side by side for a row count: enough chains in flight (np x mr >= 4) */
+static inline int fused_panels(int mr) { return mr == 1 ? 4 : mr <= 3 ? 2 : 1; }
+
+A512 static void fused_tile512(int type, int mr, int np, const float *x, int64_t ldx, const uint8_t *panel, int64_t pb,
+                               int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y,
+                               int64_t ldy, int ncols)
 {
-    switch (mr) {
-    case 1: FUSED_TYPES(1) break;
-    case 2: FUSED_TYPES(2) break;
-    case 3: FUSED_TYPES(3) break;
-    case 4: FUSED_TYPES(4) break;
-    case 5: FUSED_TYPES(5) break;
-    default: FUSED_TYPES(6) break;
+    switch (mr * 8 + np) {
+    case 1 * 8 + 4: FUSED_TYPES(1, 4) break;
+    case 2 * 8 + 2: FUSED_TYPES(2, 2) break;
+    case 3 * 8 + 2: FUSED_TYPES(3, 2) break;
+    case 1 * 8 + 1: FUSED_TYPES(1, 1) break;
+    case 2 * 8 + 1: FUSED_TYPES(2, 1) break;
+    case 3 * 8 + 1: FUSED_TYPES(3, 1) break;
+    case 4 * 8 + 1: FUSED_TYPES(4, 1) break;
+    case 5 * 8 + 1: FUSED_TYPES(5, 1) break;
+    default: FUSED_TYPES(6, 1) break;
     }
 }
 
-/* ---- AVX-512: calls of more than 6 rows (batched decode, prefill, scoring) -------------
- * Per pair of panels (32 outputs), per k-block of kb values (the blocks of the FMA chains),
- * the pair's block is decoded once into a per-thread buffer [kb][32] (each position of 16 rows
- * by pos512, the fused kernel's decode) and every row tile of up to 12 rows runs its chains
- * over it. A block's chain sums land in y: y = block 0, then y = y + block i, then + bias,
- * then + residual — the adds of fused512 in the same order, so the same bits; only where the
- * running sum waits between blocks changes (y instead of a register). */
 static int has_avx512(void);
 #define WIDE_MR 12
 #define WIDE_MC 256   /* at most this many rows per chunk: their inputs (256 x K floats) stay in L2 */
@@ -461,11 +474,18 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
 {
     const int64_t panels = (N + 15) / 16, pb = K / 32 * probity_group_bytes(type);
     if (M <= 6 && has_avx512()) {
+        const int np = fused_panels((int)M);
+        const int64_t groups = (panels + np - 1) / np;
 #pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < panels; j++) {
-            const int64_t n0 = j * 16;
-            fused_tile512(type, (int)M, x, ldx, packed + j * pb, K, kb, bias ? bias + n0 : 0, res ? res + n0 : 0, ldr,
-                          y + n0, ldy, N - n0 < 16 ? (int)(N - n0) : 16);
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const int64_t j0 = gi * np, cnt = panels - j0 < np ? panels - j0 : np;
+            /* a short last group runs its panels one at a time */
+            for (int64_t j = j0; j < j0 + cnt; j += cnt == np ? np : 1) {
+                const int64_t n0 = j * 16, last = j + (cnt == np ? np : 1) - 1;
+                fused_tile512(type, (int)M, cnt == np ? np : 1, x, ldx, packed + j * pb, pb, K, kb,
+                              bias ? bias + n0 : 0, res ? res + n0 : 0, ldr, y + n0, ldy,
+                              N - last * 16 < 16 ? (int)(N - last * 16) : 16);
+            }
         }
         return;
     }
