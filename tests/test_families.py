@@ -58,10 +58,12 @@ FAMILIES = {   # family -> (config, what it exercises, the forward that should s
 TOL = 1e-4
 
 
-def tiny(family: str, seed: int = 0):
+def tiny(family: str, seed: int = 0, **extra):
+    """A random-weight float32 model of `family` at its tiny size (FAMILIES; `extra` overrides
+    config fields), matrices N(0, 0.2)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(family, **FAMILIES[family][0])
+    cfg = AutoConfig.for_model(family, **{**FAMILIES[family][0], **extra})
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -158,9 +160,8 @@ def family_server(request, tiny_model_dir, tmp_path_factory):
 
     family = request.param
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = dict(FAMILIES[family][0])
-    cfg["vocab_size" if family != "gpt2" else "vocab_size"] = len(tok)
-    hf = _tiny_with(family, cfg, tok)
+    hf = tiny(family, seed=1, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
     folder = tmp_path_factory.mktemp(family) / family
     hf.save_pretrained(folder, max_shard_size="200KB")
     tok.save_pretrained(folder)
@@ -168,20 +169,6 @@ def family_server(request, tiny_model_dir, tmp_path_factory):
     s = LiveServer(["--model", str(folder), "--threads", "1", "--kv-cache-gib", "0.05"])
     yield family, hf, tok, s
     s.stop()
-
-
-def _tiny_with(family: str, cfg: dict, tok):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(family, **cfg, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                  pad_token_id=tok.pad_token_id)
-    torch.manual_seed(1)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return hf
 
 
 def test_families_through_the_server(family_server):

@@ -151,10 +151,8 @@ def keep_freed_memory(keep_bytes: int = 1 << 30) -> None:
     slower in one engine than in another. Allocations below 32 MiB come from the heap, and
     the heap is not trimmed below `keep_bytes` of free space (--heap-keep-gib). Glibc only;
     elsewhere nothing changes."""
-    import ctypes
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
@@ -167,11 +165,20 @@ def release_freed_memory() -> None:
     that keep_freed_memory's threshold would otherwise keep for good (a 7B Q4_K engine was
     resident in 8.6 GiB for 4.3 GiB of weights, 4.8 after this). Steps then grow the heap
     again up to what they use."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc():
+    """glibc through ctypes, or None where the C library is another (its malloc tuning is
+    glibc's own)."""
     import ctypes
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -443,7 +443,7 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
             const __mmask16 keep0 = (__mmask16)(left >= 16 ? 0xFFFF : (1u << left) - 1);
             const __mmask16 keep1 = (__mmask16)(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1);
             const float *bj = bias ? bias + n0 : 0;
-            /* the pair's outputs for all rows stay in cache from one block to the next */
+            const int64_t m1 = (c + 1) * mc < M ? (c + 1) * mc : M;   /* the chunk's rows: c * mc .. m1 */
             for (int64_t k0 = 0; k0 < K; k0 += kb) {
                 const int64_t k1 = k0 + kb < K ? k0 + kb : K;
                 switch (type) {
@@ -452,7 +452,6 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
                 WIDE_DECODE(T_Q5_K) WIDE_DECODE(T_Q6_K)
                 default: break;
                 }
-                const int64_t m1 = (c + 1) * mc < M ? (c + 1) * mc : M;
                 for (int64_t m0 = c * mc; m0 < m1; m0 += WIDE_MR) {
                     const int mr = m1 - m0 >= WIDE_MR ? WIDE_MR : (int)(m1 - m0);
                     const float *xm = x + m0 * ldx + k0;
@@ -461,7 +460,6 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
                     if (two) { WIDE_ROWS(1) } else { WIDE_ROWS(0) }
                 }
             }
-            const int64_t m1 = (c + 1) * mc < M ? (c + 1) * mc : M;
             for (int64_t m = c * mc; m < m1; m++) {
                 const float *so = stage + (m - c * mc) * WIDE_LDS;
                 _mm512_mask_storeu_ps(y + m * ldy + n0, keep0, _mm512_load_ps(so));
