@@ -55,7 +55,7 @@ def test_stop_sequence_reported(client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"name": "x", "input_schema": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),

@@ -266,8 +266,18 @@ def chat() -> list[Case]:
             return MISSING
         return (OK if v == "text" else UNSUPPORTED) if type(v) is str else T
 
-    refused_fields = ["echo", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+    refused_fields = ["echo", "functions", "function_call", "audio",
                       "modalities", "prediction", "reasoning_effort", "web_search_options", "best_of", "suffix"]
+
+    def tools(v, m):          # an array of at least one tool
+        return OK if v is None else (V if v == [] else OK) if type(v) is list else T
+
+    def tool_choice(v, m):    # without tools: only none and auto; a string or an object
+        if v is None:
+            return OK
+        if type(v) not in (str, dict):
+            return T
+        return OK if v in ("none", "auto") else V
     no_max = {k: v for k, v in CHAT.items() if k != "max_tokens"}
     return [
         Case(e, CHAT, ("model",), model_field()),
@@ -286,7 +296,20 @@ def chat() -> list[Case]:
              else obj()(v, m)),
         Case(e, {**CHAT, "response_format": {"type": "text"}}, ("response_format", "type"), response_format_type),
         *[Case(e, CHAT, (f,), refused) for f in refused_fields],
+        Case(e, CHAT, ("tools",), tools),
+        Case(e, CHAT, ("tool_choice",), tool_choice),
+        Case(e, CHAT, ("parallel_tool_calls",), boolean()),
+        Case(e, CHAT, ("structured_outputs",), obj(empty=V)),
+        Case(e, CHAT, ("prompt_logprobs",), integer(0, 32), edges=int_edges(0, 32)),
     ]
+
+
+def anthropic_tools(v, m):
+    return OK if v is None else (V if v == [] else OK) if type(v) is list else T
+
+
+def anthropic_tool_choice(v, m):   # without tools: only {type: auto} or {type: none}
+    return OK if v is None else V if type(v) is dict else T
 
 
 def messages() -> list[Case]:
@@ -312,7 +335,9 @@ def messages() -> list[Case]:
         Case(e, MSG, ("metadata",), obj(), anthropic=True),
         Case(e, {**MSG, "metadata": {}}, ("metadata", "user_id"), string(), anthropic=True),
         *[Case(e, MSG, (f,), refused, anthropic=True)
-          for f in ("tools", "tool_choice", "thinking", "mcp_servers", "container", "service_tier")],
+          for f in ("thinking", "mcp_servers", "container", "service_tier")],
+        Case(e, MSG, ("tools",), anthropic_tools, anthropic=True),
+        Case(e, MSG, ("tool_choice",), anthropic_tool_choice, anthropic=True),
         Case(e, MSG, ("zz_unknown",), unknown, anthropic=True),
     ]
 
@@ -323,7 +348,9 @@ def count_tokens() -> list[Case]:
         Case(e, COUNT, ("model",), model_field(), anthropic=True),
         *message_cases(e, COUNT, ("user", "assistant"), anthropic=True),
         Case(e, COUNT, ("system",), lambda v, m: OK if v is None or type(v) in (str, list) else T, anthropic=True),
-        *[Case(e, COUNT, (f,), refused, anthropic=True) for f in ("tools", "tool_choice", "thinking")],
+        Case(e, COUNT, ("thinking",), refused, anthropic=True),
+        Case(e, COUNT, ("tools",), anthropic_tools, anthropic=True),
+        Case(e, COUNT, ("tool_choice",), anthropic_tool_choice, anthropic=True),
         Case(e, COUNT, ("max_tokens",), unknown, anthropic=True),
     ]
 

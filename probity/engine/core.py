@@ -19,6 +19,7 @@ from .. import protocol as P
 from ..protocol import finite_or_none
 from .log import log
 from .pipe import Refused, Writer
+from .grammar import DEAD_END
 from .request import Choice, Request
 from .stop_text import StopText
 from .vocab import Vocab
@@ -46,6 +47,7 @@ class EngineCore:
         self.model_id = self.source = self.dtype = self.fingerprint = ""
         self.concurrency = 1
         self.batch_invariant = self.prefix_cache = False
+        self.grammars = None  # engine/grammar.py Grammars where the backend applies grammars
 
     # ------------------------------------------------------------ what a backend provides
     def new_choice(self, req: Request, member: int, choice: int) -> Choice:
@@ -98,6 +100,8 @@ class EngineCore:
                 "seed": True, "chat_template": self.vocab.has_chat_template,
                 "max_members": P.MAX_MEMBERS, "max_choices": P.MAX_CHOICES,
                 "batch_invariant": self.batch_invariant, "prefix_cache": self.prefix_cache,
+                "grammar": self.grammars is not None, "tool_format": self.vocab.tool_format,
+                "tools_in_template": self.vocab.tools_in_template,
             },
             "concurrency": self.concurrency,
         }
@@ -191,14 +195,19 @@ class EngineCore:
         self.out.send_encoded(done)
 
     def start_generate(self, rid: int, p: dict) -> None:
-        sampling, prompts = parse_generate(p, self.vocab, self.context_length)
-        req = Request(rid, sampling, prompts)
+        sampling, prompts, template = parse_generate(p, self.vocab, self.context_length)
+        req = Request(rid, sampling, prompts, template=template)
         for m in range(len(prompts)):
             for c in range(sampling.n):
                 q = self.new_choice(req, m, c)
                 if sampling.max_tokens == 0 and c > 0:
                     q.finish_reason = "length"  # echo only: choice 0 scores the prompt, the others have nothing to do
                 req.choices.append(q)
+        if sampling.grammar is not None:
+            if self.grammars is None:
+                raise Refusal("BAD_REQUEST", "this engine does not apply grammars", "grammar")
+            for q in req.choices:
+                q.matcher = self.grammars.matcher(sampling.grammar)
         self.admit(req)
         self.requests[rid] = req
         self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": c}
@@ -259,6 +268,8 @@ class EngineCore:
             e = self.entry(prompt[p], value, table)
             if p == 0:
                 e["top"] = None
+            if member in req.template:
+                e["template"] = req.template[member][p]
             entries.append(e)
         for i, chunk in P.entry_chunks("ECHO", entries, P.ECHO_CHUNK):
             self.out.send("ECHO", req.id, {"member": member, "start": start + i, "positions": chunk})
@@ -289,16 +300,28 @@ class EngineCore:
             self.emit(q, q.stop_text.flush() + [{**entry, "eos": True}])
             self.finish(q, "stop")
             return
+        refused = q.matcher is not None and not q.matcher.consume_token(token)
         released, matched = q.stop_text.push(entry, self.vocab.token_bytes[token])
         if matched is not None:
             self.emit(q, released)
             q.stop_matched = matched
+            self.finish(q, "stop")
+        elif refused:  # a backend that drew outside the mask: the grammar cannot go on
+            self.emit(q, released + q.stop_text.flush())
+            self.finish(q, DEAD_END)
+        elif q.matcher is not None and q.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            self.emit(q, released + q.stop_text.flush())
             self.finish(q, "stop")
         elif q.done_budget:
             self.emit(q, released + q.stop_text.flush())
             self.finish(q, "length")
         else:
             self.emit(q, released)
+
+    def dead_end(self, q: Choice) -> None:
+        """The choice's grammar allows no token at all (not even EOS): it ends by name."""
+        self.emit(q, q.stop_text.flush())
+        self.finish(q, DEAD_END)
 
     def finish(self, q: Choice, reason: str) -> None:
         q.finish_reason = reason

@@ -13,6 +13,7 @@ import torch
 from .core import EngineCore
 from .request import Choice, Request
 from .flags import EngineFlags
+from .grammar import Grammars, allowed
 from .loader import Loaded
 from .log import log
 from .model import UnsupportedModel
@@ -52,6 +53,7 @@ class Engine(EngineCore):
         self.concurrency = flags.max_running
         self.batch_invariant, self.prefix_cache = True, flags.prefix_cache
         self.forward_passes = 0
+        self.grammars = Grammars(loaded.tokenizer, self.runner.vocab_size, self.vocab.eos_ids)
         release_freed_memory()   # loading's and calibration's temporaries, before memory is measured
         self._memory = self.runner.memory()
         log("memory: " + ", ".join(f"{k} {v / (1 << 30):.2f} GiB" for k, v in self._memory.items()))
@@ -106,8 +108,13 @@ class Engine(EngineCore):
         for seq, _ in batch:
             if seq.request.t_first is None:
                 seq.request.t_first = t0
+        # the constrained choices' masks, computed while the forward runs (their matchers'
+        # states do not change until a token is drawn)
+        constrained = [seq for seq, _ in batch if seq.matcher is not None and not seq.finished]
+        masks = self.grammars.start_masks([seq.matcher for seq in constrained])
         try:
             results = self.runner.step(batch, lambda seq: not seq.done_budget)
+            mask_of = dict(zip(map(id, constrained), masks.result())) if masks is not None else {}
         except Exception as e:
             log(f"forward failed: {traceback.format_exc()}")
             for req in {id(seq.request): seq.request for seq, _ in batch}.values():
@@ -125,8 +132,19 @@ class Engine(EngineCore):
         for (seq, _), res in zip(batch, results):
             if res.echo:
                 self.send_echo(seq.request, seq.member, res.echo)
-        drawn = [(seq, res) for (seq, _), res in zip(batch, results) if res.logits is not None and not seq.finished]
-        tokens = sample_many([res.logits for _, res in drawn], [seq for seq, _ in drawn])
+        drawn, masks = [], []
+        for (seq, _), res in zip(batch, results):
+            if res.logits is None or seq.finished:
+                continue
+            mask = None
+            if seq.matcher is not None:
+                mask = allowed(mask_of[id(seq)], res.logits.shape[-1])
+                if seq.matcher.is_error() or not bool(mask.any()):
+                    self.dead_end(seq)
+                    continue
+            drawn.append((seq, res))
+            masks.append(mask)
+        tokens = sample_many([res.logits for _, res in drawn], [seq for seq, _ in drawn], masks)
         for (seq, res), token in zip(drawn, tokens):
             self.advance(seq, token, res.lp)
         for req in requests.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..protocol import Sampling
 from .stop_text import StopText
@@ -22,6 +23,7 @@ class Choice:
     stop_matched: str | None = None
     cached_tokens: int | None = None  # prompt tokens the backend took from its prefix cache
     held: list[dict] = field(default_factory=list)  # entries waiting for the member's echo to finish
+    matcher: Any = None  # its grammar's llguidance matcher (engine/grammar.py), or None
 
     @property
     def finished(self) -> bool:
@@ -39,6 +41,7 @@ class Request:
     prompts: list[list[int]]
     choices: list[Choice] = field(default_factory=list)
     echo_next: dict[int, int] = field(default_factory=dict)  # member -> next prompt position its ECHO owes
+    template: dict[int, list[bool]] = field(default_factory=dict)  # messages member -> its tokens' template flags
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float | None = None   # the first forward that ran it (the backend sets it)
     prefill_s: float = 0.0

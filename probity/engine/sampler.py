@@ -12,8 +12,8 @@ from ..protocol import Sampling, choice_seed
 from .sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seq: Sequence) -> int:
-    """Pick the next token from one row of raw logits."""
+def sample(logits: torch.Tensor, seq: Sequence, mask: torch.Tensor | None = None) -> int:
+    """Pick the next token from one row of raw logits (`mask`: the tokens its grammar allows)."""
     s: Sampling = seq.request.sampling
     x = logits.float().clone()
     if s.logit_bias:
@@ -22,6 +22,8 @@ def sample(logits: torch.Tensor, seq: Sequence) -> int:
     if (s.presence_penalty or s.frequency_penalty) and seq.counts is not None:
         c = seq.counts
         x -= s.frequency_penalty * c + s.presence_penalty * (c > 0).float()
+    if mask is not None:
+        x.masked_fill_(~mask, -torch.inf)
     if s.temperature == 0.0:
         return int(torch.argmax(x))  # first maximum: the lowest id among ties
     scaled = x / s.temperature
@@ -54,16 +56,20 @@ def plain(seq: Sequence) -> bool:
     return (s.top_p == 1.0 and not s.top_k and not s.presence_penalty and not s.frequency_penalty)
 
 
-def sample_many(rows: list[torch.Tensor], seqs: list[Sequence]) -> list[int]:
-    """`sample(rows[j], seqs[j])` for every j, the plain ones in a few batched ops. Every op here
-    works row by row (argmax, softmax, cumsum and searchsorted along the vocabulary), so a row
-    draws the same token whatever rows share the call; tests/test_sampling.py checks it against
-    `sample` one row at a time."""
+def sample_many(rows: list[torch.Tensor], seqs: list[Sequence], masks: list[torch.Tensor | None] | None = None
+                ) -> list[int]:
+    """`sample(rows[j], seqs[j], masks[j])` for every j, the plain ones in a few batched ops.
+    Every op here works row by row (argmax, softmax, cumsum and searchsorted along the
+    vocabulary), so a row draws the same token whatever rows share the call;
+    tests/test_sampling.py checks it against `sample` one row at a time. A mask (a grammar's
+    allowed tokens, never empty) sets the others to -inf before the draw: they get no
+    probability, and the rest keep their ratios."""
+    masks = masks or [None] * len(seqs)
     out: list[int | None] = [None] * len(seqs)
     batch = [j for j, q in enumerate(seqs) if plain(q)]
     for j, q in enumerate(seqs):
         if not plain(q):
-            out[j] = sample(rows[j], q)
+            out[j] = sample(rows[j], q, masks[j])
     if not batch:
         return out
     x = torch.stack([rows[j] for j in batch]).float()
@@ -71,6 +77,8 @@ def sample_many(rows: list[torch.Tensor], seqs: list[Sequence]) -> list[int]:
         bias = seqs[j].request.sampling.logit_bias
         if bias:
             x[r, torch.tensor(list(bias.keys()))] += torch.tensor(list(bias.values()), dtype=x.dtype)
+        if masks[j] is not None:
+            x[r].masked_fill_(~masks[j], -torch.inf)
     temps: dict[float, list[int]] = {}
     for r, j in enumerate(batch):
         temps.setdefault(seqs[j].request.sampling.temperature, []).append(r)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import protocol as P
-from ..protocol import Sampling
+from ..protocol import Sampling, strict_json
 from .vocab import Vocab
 
 
@@ -37,8 +37,10 @@ def _bad(param: str, message: str, member: int | None = None) -> Refusal:
     return Refusal("BAD_REQUEST", message, param, member)
 
 
-def parse_generate(p: dict, vocab: Vocab, context_length: int) -> tuple[Sampling, list[list[int]]]:
-    """Everything a generate SUBMIT must pass before ACCEPT: fields, members, context, budget."""
+def parse_generate(p: dict, vocab: Vocab, context_length: int
+                   ) -> tuple[Sampling, list[list[int]], dict[int, list[bool]]]:
+    """Everything a generate SUBMIT must pass before ACCEPT: fields, members, context, budget.
+    With echo, a messages member's flags too: which of its prompt tokens are the template's."""
     try:
         s = Sampling.from_wire(p)
     except P.SchemaError as e:
@@ -49,7 +51,10 @@ def parse_generate(p: dict, vocab: Vocab, context_length: int) -> tuple[Sampling
         raise _bad("logit_bias", f"logit_bias keys must be token ids below {vocab.size}")
     if "members" not in p:
         raise _bad("members", "members is required")
-    prompts = [member_ids(m, i, vocab, add_special_tokens=True) for i, m in enumerate(p["members"])]
+    tools = _tools(p)
+    marks = {i: [] for i, m in enumerate(p["members"]) if s.echo and "messages" in m}
+    prompts = [member_ids(m, i, vocab, add_special_tokens=True, tools=tools, marks=marks.get(i))
+               for i, m in enumerate(p["members"])]
     for i, ids in enumerate(prompts):
         if not ids:
             raise _bad(f"members[{i}]", "the prompt is empty after tokenization", i)
@@ -63,10 +68,24 @@ def parse_generate(p: dict, vocab: Vocab, context_length: int) -> tuple[Sampling
         if total > budget:
             raise Refusal("PROMPT_BUDGET", f"the members hold {total} prompt tokens; the budget is {budget}",
                           "members")
-    return s, prompts
+    return s, prompts, marks
 
 
-def member_ids(m: dict, i: int, vocab: Vocab, add_special_tokens: bool) -> list[int]:
+def _tools(p: dict) -> list[dict] | None:
+    """SUBMIT's tools (JSON text of OpenAI's tools array, checked by the server)."""
+    if "tools" not in p:
+        return None
+    try:
+        tools = strict_json.loads(p["tools"])
+    except Exception as e:
+        raise _bad("tools", f"tools is not JSON: {e}") from None
+    if type(tools) is not list:
+        raise _bad("tools", "tools must be a JSON array")
+    return tools
+
+
+def member_ids(m: dict, i: int, vocab: Vocab, add_special_tokens: bool, tools: list[dict] | None = None,
+               marks: list[bool] | None = None) -> list[int]:
     """A member's token ids (its shape already checked by the schema: one of text, ids, messages)."""
     where = f"members[{i}]"
     if "text" in m:
@@ -78,7 +97,7 @@ def member_ids(m: dict, i: int, vocab: Vocab, add_special_tokens: bool) -> list[
     if not vocab.has_chat_template:
         raise _bad(where, "the model has no chat template", i)
     try:
-        return vocab.encode_chat(m["messages"])
+        return vocab.encode_chat(m["messages"], tools, marks)
     except Exception as e:  # a template that raises (e.g. role order) is the request's fault
         raise _bad(where, f"the chat template refused these messages: {e}", i) from None
 
@@ -87,10 +106,11 @@ def run_op(op: str, p: dict, vocab: Vocab) -> dict:
     """The non-generate ops (tokenize, render, detokenize): the tokenizer alone answers them."""
     add_special = p.get("add_special_tokens", True)
     members = p.get("members")
+    tools = _tools(p)
     if op == "tokenize":
         if members is None or len(members) != 1:
             raise _bad("members", "tokenize takes exactly one member")
-        ids = member_ids(members[0], 0, vocab, add_special)
+        ids = member_ids(members[0], 0, vocab, add_special, tools)
         if p.get("count_only", False):
             return {"count": len(ids)}
         if len(ids) > P.MAX_RESULT_IDS:
@@ -100,8 +120,8 @@ def run_op(op: str, p: dict, vocab: Vocab) -> dict:
     if op == "render":
         if members is None or len(members) != 1 or "messages" not in members[0]:
             raise _bad("members", "render takes exactly one {messages} member")
-        ids = member_ids(members[0], 0, vocab, False)
-        return {"text": vocab.render(members[0]["messages"]), "ids": ids, "count": len(ids)}
+        ids = member_ids(members[0], 0, vocab, False, tools)
+        return {"text": vocab.render(members[0]["messages"], tools), "ids": ids, "count": len(ids)}
     ids = p.get("ids")  # detokenize
     if ids is None or any(t >= vocab.size for t in ids):
         raise _bad("ids", f"ids must be integers in [0, {vocab.size})")

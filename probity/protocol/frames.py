@@ -44,7 +44,7 @@ ERROR_CODES = (
 
 _position = Obj(
     {"id": TOKEN_ID, "bytes": Hex(), "logprob": LOGPROB},
-    {"top": Null(TOP)},
+    {"top": Null(TOP), "template": Bool()},  # template: a chat prompt's token that its template wrote
 )
 _token = Obj(
     {"id": TOKEN_ID, "bytes": Hex(), "logprob": LOGPROB},
@@ -54,7 +54,7 @@ _usage = Obj({"prompt_tokens": Int(), "completion_tokens": Int(), "cached_tokens
 _finished = Obj({
     "member": Int(0, MAX_MEMBERS - 1),
     "choice": Int(0, MAX_CHOICES - 1),
-    "finish_reason": Enum("stop", "length", "cancelled"),
+    "finish_reason": Enum("stop", "length", "cancelled", "grammar_dead_end"),
     "stop": Null(Str(MAX_STOP_CHARS)),
     "completion_tokens": Int(),
 })
@@ -97,6 +97,9 @@ _kind("READY", "engine", 1 * MiB, Obj({
         # what the numbers promise: bit-identical whatever else runs (batch_invariant) and
         # whether or not a prefix came from the cache (prefix_cache)
         "batch_invariant": Bool(), "prefix_cache": Bool(),
+        # constrained decoding (SUBMIT's grammar), and how the chat template writes tool calls
+        "grammar": Bool(), "tool_format": Enum("hermes", "llama3_json", "mistral"),
+        "tools_in_template": Bool(),
     }),
     "concurrency": Int(1, 4096),
 }, {

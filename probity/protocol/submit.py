@@ -29,6 +29,8 @@ LOGIT_BIAS = (-100.0, 100.0)
 SEED = (-(2**63), 2**63 - 1)
 TOKEN_ID = Int(0, 2**31 - 1)
 ROLES = ("system", "developer", "user", "assistant")
+MAX_TOOL_CALLS = 128      # calls in one assistant message
+MAX_GRAMMAR = 4 * MiB     # llguidance grammar text (a compiled JSON schema, tools, a regex, ...)
 MAX_TEXT = 16 * MiB       # SUBMIT's own bound: no member can be longer
 MAX_IDS = 8 * MiB
 
@@ -48,6 +50,7 @@ class Sampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None    # k alternatives in each table (plus the chosen token); None: no tables
     echo: bool = False             # report the prompt's positions too
+    grammar: str | None = None     # llguidance grammar text every choice's tokens must follow
 
     def wire(self) -> dict[str, Any]:
         """SUBMIT's sampling fields. Defaults are omitted, so a request that spells out a
@@ -67,6 +70,8 @@ class Sampling:
             out["logprobs"] = self.logprobs
         if self.echo:
             out["echo"] = True
+        if self.grammar is not None:
+            out["grammar"] = self.grammar
         return out
 
     @classmethod
@@ -78,7 +83,7 @@ class Sampling:
                 stop=tuple(p.get("stop", ())), presence_penalty=float(p.get("presence_penalty", 0.0)),
                 frequency_penalty=float(p.get("frequency_penalty", 0.0)),
                 logit_bias={int(k): float(v) for k, v in p.get("logit_bias", {}).items()},
-                logprobs=p.get("logprobs"), echo=p.get("echo", False))
+                logprobs=p.get("logprobs"), echo=p.get("echo", False), grammar=p.get("grammar"))
         if s.max_tokens == 0 and not s.echo:
             raise SchemaError("SUBMIT.max_tokens", "0 is only meaningful with echo")
         return s
@@ -101,7 +106,9 @@ def generate_payload(members: list[dict], sampling: Sampling, max_prompt_tokens:
     return p
 
 
-_MESSAGE = Obj({"role": Enum(*ROLES), "content": Str(MAX_TEXT)})
+_CALL = Obj({"id": Str(256), "name": Str(256), "arguments": Str(MAX_TEXT)})
+_MESSAGE = Obj({"role": Enum(*ROLES, "tool"), "content": Str(MAX_TEXT)},
+               {"tool_calls": List(_CALL, MAX_TOOL_CALLS, 1), "tool_call_id": Str(256), "name": Str(256)})
 MEMBER = OneKey({"text": Str(MAX_TEXT), "ids": List(TOKEN_ID, MAX_IDS), "messages": List(_MESSAGE, MAX_IDS, 1)})
 
 SUBMIT_SCHEMA = Obj({"op": Enum("generate", "tokenize", "detokenize", "render")}, {
@@ -118,6 +125,8 @@ SUBMIT_SCHEMA = Obj({"op": Enum("generate", "tokenize", "detokenize", "render")}
     "logit_bias": IdMap(Num(*LOGIT_BIAS), MAX_LOGIT_BIAS),
     "logprobs": Int(0, MAX_LOGPROBS),
     "echo": Bool(),
+    "grammar": Str(MAX_GRAMMAR, min_len=1),
+    "tools": Str(MAX_GRAMMAR, min_len=2),   # JSON text: OpenAI's tools array, for messages members
     "max_prompt_tokens": Int(1),       # the members' prompt tokens together, at most (batches)
     "add_special_tokens": Bool(),      # tokenize, render
     "count_only": Bool(),              # tokenize: answer the count alone

@@ -17,6 +17,7 @@ from .pieces import TextBuilder, build_pieces
 from .capabilities import check_capabilities
 from .errors import APIError
 from .generation import Generation, Source, run_op
+from .structured import Tools, ToolText, find_calls, parse_tools
 from .validation import _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages, text_content
 
 if TYPE_CHECKING:
@@ -25,16 +26,14 @@ if TYPE_CHECKING:
 
 PING_EVERY = 10.0  # seconds without an event before a ping keeps the stream alive
 MESSAGE_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
-                  "stream", "metadata"}
+                  "stream", "metadata", "tools", "tool_choice"}
 MESSAGE_REFUSED = {
-    "tools": "tool use is not supported",
-    "tool_choice": "tool use is not supported",
     "thinking": "extended thinking is not supported",
     "mcp_servers": "MCP servers are not supported",
     "container": "containers are not supported",
     "service_tier": "service tiers are not supported",
 }
-COUNT_TOKENS_FIELDS = {"model", "messages", "system"}
+COUNT_TOKENS_FIELDS = {"model", "messages", "system", "tools", "tool_choice"}
 
 
 @dataclass
@@ -43,10 +42,151 @@ class MessagesRequest:
     messages: list[dict]
     sampling: Sampling
     stream: bool
+    tools: Tools | None = None
+
+
+def _anthropic_tools(body: dict, fmt: str) -> Tools | None:
+    """Anthropic's tools and tool_choice in OpenAI's shape (structured.Tools)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and type(choice) is not dict:
+        raise _type("tool_choice", "an object")
+    if tools is None:
+        if choice is not None and choice.get("type") not in ("auto", "none"):
+            raise APIError("invalid_value", "'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if type(tools) is not list:
+        raise _type("tools", "an array")
+    openai = []
+    for i, t in enumerate(tools):
+        w = f"tools[{i}]"
+        if type(t) is not dict:
+            raise _type(w, "an object")
+        for k in t:
+            if k not in ("name", "description", "input_schema", "type", "cache_control"):
+                raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+        if t.get("type", "custom") != "custom":
+            raise APIError("unsupported_value", f"'{w}.type' {t['type']!r}: only custom (client) tools are supported",
+                           f"{w}.type")
+        if t.get("input_schema") is None:
+            raise APIError("missing_required_parameter", f"'{w}.input_schema' is required", f"{w}.input_schema")
+        fn = {"name": t.get("name"), "parameters": t["input_schema"]}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        openai.append({"type": "function", "function": fn})
+    parallel, oc = None, None
+    if choice is not None:
+        if type(choice) is not dict:
+            raise _type("tool_choice", "an object")
+        for k in choice:
+            if k not in ("type", "name", "disable_parallel_tool_use"):
+                raise APIError("unknown_parameter", f"unknown parameter 'tool_choice.{k}'", f"tool_choice.{k}")
+        kind = choice.get("type")
+        mapping = {"auto": "auto", "any": "required", "none": "none"}
+        if kind == "tool":
+            if type(choice.get("name")) is not str:
+                raise APIError("missing_required_parameter", "'tool_choice.name' is required", "tool_choice.name")
+            oc = {"type": "function", "function": {"name": choice["name"]}}
+        elif kind in mapping:
+            oc = mapping[kind]
+        else:
+            raise APIError("invalid_value", "'tool_choice.type' must be auto, any, tool or none", "tool_choice.type")
+        d = choice.get("disable_parallel_tool_use")
+        if d is not None:
+            if type(d) is not bool:
+                raise _type("tool_choice.disable_parallel_tool_use", "a boolean")
+            parallel = not d
+    try:
+        return parse_tools(openai, oc, parallel, fmt)
+    except APIError as e:  # OpenAI's names of the same fields -> Anthropic's
+        if e.param:
+            e.param = (e.param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+                       .replace("tool_choice.function.name", "tool_choice.name"))
+        raise
+
+
+def _content_blocks(c, where: str, role: str) -> tuple[str, list[dict], list[dict]]:
+    """A message's content -> (text, tool_calls, tool results) in the SUBMIT's shapes."""
+    if type(c) is str:
+        return c, [], []
+    if type(c) is not list:
+        raise _type(where, "a string or an array of content blocks")
+    texts, calls, results = [], [], []
+    for j, b in enumerate(c):
+        w = f"{where}[{j}]"
+        if type(b) is not dict:
+            raise _type(w, "an object")
+        t = b.get("type")
+        if t == "text":
+            texts.append(text_content([b], where, ("cache_control", "citations")))
+        elif t == "tool_use" and role == "assistant":
+            for k in b:
+                if k not in ("type", "id", "name", "input", "cache_control"):
+                    raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+            for k in ("id", "name"):
+                if type(b.get(k)) is not str or not b[k]:
+                    raise _type(f"{w}.{k}", "a non-empty string")
+            if type(b.get("input")) is not dict:
+                raise _type(f"{w}.input", "an object")
+            calls.append({"id": b["id"][:256], "name": b["name"][:256],
+                          "arguments": json.dumps(b["input"], ensure_ascii=False)})
+        elif t == "tool_result" and role == "user":
+            for k in b:
+                if k not in ("type", "tool_use_id", "content", "is_error", "cache_control"):
+                    raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+            if type(b.get("tool_use_id")) is not str:
+                raise _type(f"{w}.tool_use_id", "a string")
+            if b.get("is_error") is not None and type(b["is_error"]) is not bool:
+                raise _type(f"{w}.is_error", "a boolean")
+            body = "" if b.get("content") is None else text_content(b["content"], f"{w}.content", ("cache_control",))
+            results.append({"role": "tool", "content": ("Error: " + body) if b.get("is_error") else body,
+                            "tool_call_id": b["tool_use_id"]})
+        else:
+            raise APIError("unsupported_value", f"'{w}.type' {t!r} is not supported in a {role} message here",
+                           f"{w}.type")
+    return "".join(texts), calls, results
+
+
+def _parse_anthropic_messages(v) -> list[dict]:
+    """Anthropic's messages (text, tool_use and tool_result blocks) -> the SUBMIT's messages."""
+    if v is None:
+        raise APIError("missing_required_parameter", "'messages' is required", "messages")
+    if type(v) is not list or not v:
+        raise _type("messages", "a non-empty array of messages")
+    out, ids = [], set()
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if type(m) is not dict:
+            raise _type(where, "an object")
+        for k in m:
+            if k not in ("role", "content"):
+                raise APIError("unsupported_parameter", f"'{where}.{k}' is not supported", f"{where}.{k}")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise APIError("invalid_type" if type(role) is not str else "unsupported_value",
+                           f"'{where}.role' must be one of user, assistant", f"{where}.role")
+        if m.get("content") is None:
+            raise APIError("missing_required_parameter", f"'{where}.content' is required", f"{where}.content")
+        text, calls, results = _content_blocks(m["content"], f"{where}.content", role)
+        for r in results:
+            if r["tool_call_id"] not in ids:
+                raise APIError("invalid_value", f"tool_result names tool_use_id {r['tool_call_id'][:64]!r}, which no "
+                               "earlier tool_use block has", f"{where}.content")
+        out += results
+        if calls:
+            ids.update(c["id"] for c in calls)
+            out.append({"role": role, "content": text, "tool_calls": calls})
+        elif text or not results:
+            out.append({"role": role, "content": text})
+    return out
 
 
 def _messages_and_system(body: dict) -> list[dict]:
-    messages = parse_messages(body.get("messages"), roles=("user", "assistant"), part_keys=("cache_control",))
+    given = body.get("messages")
+    if type(given) is list and any(type(m) is dict and type(m.get("content")) is list and any(
+            type(b) is dict and b.get("type") in ("tool_use", "tool_result") for b in m["content"]) for m in given):
+        messages = _parse_anthropic_messages(body.get("messages"))
+    else:
+        messages = parse_messages(body.get("messages"), roles=("user", "assistant"), part_keys=("cache_control",))
     last = messages[-1]
     if last["role"] == "assistant" and last["content"] != last["content"].rstrip():
         # A final assistant message is a prefill the model continues; Anthropic refuses one
@@ -59,7 +199,7 @@ def _messages_and_system(body: dict) -> list[dict]:
     return messages
 
 
-def parse_messages_request(body: dict, served: str, vocab_size: int) -> MessagesRequest:
+def parse_messages_request(body: dict, served: str, vocab_size: int, fmt: str = "hermes") -> MessagesRequest:
     _check_keys(body, MESSAGE_FIELDS, MESSAGE_REFUSED)
     model = _model(body, served)
     if body.get("max_tokens") is None:
@@ -73,6 +213,9 @@ def parse_messages_request(body: dict, served: str, vocab_size: int) -> Messages
                  temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
                  top_p=_number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
                  top_k=_integer(body, "top_k", 0, 0, vocab_size))
+    tools = _anthropic_tools(body, fmt)
+    if tools is not None and tools.forced:
+        s = Sampling(**{**s.__dict__, "grammar": tools.grammar()})
     stream = _bool(body, "stream", False)
     meta = body.get("metadata")
     if meta is not None:
@@ -83,7 +226,7 @@ def parse_messages_request(body: dict, served: str, vocab_size: int) -> Messages
                 raise APIError("unknown_parameter", f"unknown parameter 'metadata.{k}'", f"metadata.{k}")
             if v is not None and type(v) is not str:
                 raise _type("metadata.user_id", "a string")
-    return MessagesRequest(model, messages, s, stream)
+    return MessagesRequest(model, messages, s, stream, tools)
 
 
 def _usage(done: dict) -> dict:
@@ -93,6 +236,8 @@ def _usage(done: dict) -> dict:
 
 
 def _stop_reason(c: dict) -> tuple[str, str | None]:
+    if c["finish_reason"] == "grammar_dead_end":
+        return "grammar_dead_end", None
     if c["finish_reason"] == "length":
         return "max_tokens", None
     if c["stop"] is not None:
@@ -100,34 +245,62 @@ def _stop_reason(c: dict) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _payload(req: MessagesRequest) -> dict:
+    p = P.generate_payload([{"messages": req.messages}], req.sampling)
+    if req.tools is not None and req.tools.choice != "none":
+        p["tools"] = req.tools.wire()
+    return p
+
+
+def _tool_use(text: str, tools: Tools | None, finish: str) -> tuple[str, list[dict]] | None:
+    if tools is None or tools.choice == "none" or finish != "stop":
+        return None
+    content, calls = find_calls(text, tools)
+    if not calls:
+        return None
+    return content, [{"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
+                      "input": json.loads(c.arguments)} for c in calls]
+
+
 async def messages(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     m = info["model"]
-    req = parse_messages_request(body, m["id"], m["vocab_size"])
-    check_capabilities(info, chat=True)
-    gen = Generation(svc, request, P.generate_payload([{"messages": req.messages}], req.sampling), Source("messages"))
+    req = parse_messages_request(body, m["id"], m["vocab_size"], info["capabilities"].get("tool_format", "hermes"))
+    check_capabilities(info, chat=True, grammar=req.sampling.grammar is not None)
+    gen = Generation(svc, request, _payload(req), Source("messages"))
     await gen.start()
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
-        return gen.streaming(stream_message(gen, msg_id, m["id"]), msg_id,
+        return gen.streaming(stream_message(gen, msg_id, m["id"], req.tools), msg_id,
                              lambda e: event("error", {"type": "error", "error": e.anthropic_body()["error"]}))
     out = await gen.collect()
     pieces = build_pieces(out.tokens.get((0, 0), []))
+    text = "".join(p.text for p in pieces)
     reason, seq = _stop_reason(out.done["choices"][0])
+    content = [{"type": "text", "text": text}]
+    used = _tool_use(text, req.tools, out.done["choices"][0]["finish_reason"])
+    if used is not None:
+        content = ([{"type": "text", "text": used[0]}] if used[0] else []) + used[1]
+        reason, seq = "tool_use", None
     return JSONResponse({
         "id": msg_id, "type": "message", "role": "assistant", "model": m["id"],
-        "content": [{"type": "text", "text": "".join(p.text for p in pieces)}],
-        "stop_reason": reason, "stop_sequence": seq, "usage": _usage(out.done)}, headers=gen.headers)
+        "content": content, "stop_reason": reason, "stop_sequence": seq, "usage": _usage(out.done)},
+        headers=gen.headers)
 
 
 def event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def stream_message(gen: Generation, msg_id: str, model: str):
+async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools | None = None):
     prompt_tokens = gen.accept["members"][0]["prompt_tokens"]
     cached = gen.accept["members"][0]["cached_tokens"]
     text = TextBuilder()
+    held = ToolText(tools) if tools is not None and tools.choice != "none" else None
+
+    def delta(piece: str) -> bytes:
+        return event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                             "delta": {"type": "text_delta", "text": piece}})
     nxt = None
     try:
         yield event("message_start", {"type": "message_start", "message": {
@@ -152,17 +325,32 @@ async def stream_message(gen: Generation, msg_id: str, model: str):
                 break
             if f.kind == "TOKEN":
                 piece = "".join(text.feed(e).text for e in f.payload["tokens"])
+                if held is not None:
+                    piece = held.add(piece)
                 if piece:
-                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                        "delta": {"type": "text_delta", "text": piece}})
+                    yield delta(piece)
             elif f.kind == "DONE":
                 gen.account(f.payload)
                 tail = text.finish()
+                if held is not None:
+                    tail = held.add(tail)
                 if tail:
-                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                        "delta": {"type": "text_delta", "text": tail}})
+                    yield delta(tail)
                 reason, seq = _stop_reason(f.payload["choices"][0])
+                used = None
+                if held is not None and held.held:
+                    used = _tool_use(held.seen, tools, f.payload["choices"][0]["finish_reason"])
+                if held is not None and used is None and held.pending:
+                    yield delta(held.pending)
                 yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                for i, block in enumerate(used[1] if used else [], start=1):
+                    yield event("content_block_start", {"type": "content_block_start", "index": i,
+                                                        "content_block": {**block, "input": {}}})
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+                    yield event("content_block_stop", {"type": "content_block_stop", "index": i})
+                if used:
+                    reason, seq = "tool_use", None
                 yield event("message_delta", {"type": "message_delta",
                                               "delta": {"stop_reason": reason, "stop_sequence": seq},
                                               "usage": {"output_tokens": f.payload["usage"]["completion_tokens"]}})
@@ -175,10 +363,14 @@ async def stream_message(gen: Generation, msg_id: str, model: str):
 
 async def count_tokens(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
-    _check_keys(body, COUNT_TOKENS_FIELDS, {k: MESSAGE_REFUSED[k] for k in ("tools", "tool_choice", "thinking")})
+    _check_keys(body, COUNT_TOKENS_FIELDS, {k: MESSAGE_REFUSED[k] for k in ("thinking",)})
     _model(body, info["model"]["id"])
     check_capabilities(info, chat=True)
+    tools = _anthropic_tools(body, info["capabilities"].get("tool_format", "hermes"))
+    op = {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}], "add_special_tokens": False,
+          "count_only": True}
+    if tools is not None and tools.choice != "none":
+        op["tools"] = tools.wire()
     # only the count comes back: no ids cross the pipe, so no text is too long to count
-    result = await run_op(svc, request, {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}],
-                                         "add_special_tokens": False, "count_only": True}, Source("messages"))
+    result = await run_op(svc, request, op, Source("messages"))
     return {"input_tokens": result["count"]}

@@ -6,7 +6,8 @@ from .errors import APIError
 
 
 def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = False, ids: bool = False,
-                       seed: bool = False, chat: bool = False, members: int = 1, choices: int = 1) -> None:
+                       seed: bool = False, chat: bool = False, members: int = 1, choices: int = 1,
+                       grammar: bool = False) -> None:
     caps = info["capabilities"]
 
     def missing(param: str, what: str) -> APIError:
@@ -22,6 +23,8 @@ def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = 
         raise missing("seed", "seeded sampling")
     if chat and not caps["chat_template"]:
         raise missing("messages", "chat (the model has no chat template)")
+    if grammar and not caps.get("grammar", False):
+        raise missing("response_format", "constrained decoding (response_format, structured_outputs, forced tools)")
     if members > caps["max_members"]:
         raise missing("prompt", f"batches of more than {caps['max_members']} members")
     if choices > caps["max_choices"]:

@@ -19,6 +19,8 @@ CODES: dict[str, tuple[int, str, str]] = {
     "prompt_batch_token_budget_exceeded": (400, "invalid_request_error", "invalid_request_error"),
     "batch_completion_budget_exceeded": (400, "invalid_request_error", "invalid_request_error"),
     "engine_capability_missing": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_grammar": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_schema": (400, "invalid_request_error", "invalid_request_error"),
     "response_too_large": (400, "invalid_request_error", "invalid_request_error"),
     "invalid_api_key": (401, "authentication_error", "authentication_error"),
     "model_not_found": (404, "not_found_error", "not_found_error"),

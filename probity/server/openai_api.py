@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 
 from .. import protocol as P
-from .pieces import TextBuilder, build_pieces, chat_logprobs, completion_logprobs
+from .pieces import TextBuilder, build_pieces, chat_logprobs, completion_logprobs, own_label
 from .capabilities import check_capabilities
 from .generation import Generation, Source
 from .responses import json_answer
+from .structured import Tools, ToolText, find_calls
 from .validation import ChatRequest, CompletionRequest, parse_chat, parse_completion
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ async def completions(svc: Service, request: Request, body: dict):
     req = parse_completion(body, m["id"], m["vocab_size"], svc.limits)
     s = req.sampling
     check_capabilities(info, logprobs=s.logprobs, echo=s.echo, ids=any("ids" in x for x in req.members),
-                       seed=s.seed is not None, members=len(req.members), choices=s.n)
+                       seed=s.seed is not None, members=len(req.members), choices=s.n, grammar=s.grammar is not None)
     budget = svc.limits.batch_prompt_tokens if len(req.members) > 1 else None
     gen = Generation(svc, request, P.generate_payload(req.members, s, budget), Source("prompt", req.is_array),
                      members=len(req.members), choices=s.n, echo=s.echo)
@@ -128,15 +129,22 @@ async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict)
             yield b"data: [DONE]\n\n"
 
 
+def chat_payload(req: ChatRequest) -> dict:
+    p = P.generate_payload([{"messages": req.messages}], req.sampling)
+    if req.tools is not None and req.tools.choice != "none":
+        p["tools"] = req.tools.wire()
+    return p
+
+
 async def chat_completions(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     m = info["model"]
-    req = parse_chat(body, m["id"], m["vocab_size"], svc.limits)
+    req = parse_chat(body, m["id"], m["vocab_size"], svc.limits, info["capabilities"].get("tool_format", "hermes"))
     s = req.sampling
-    k = s.logprobs
-    check_capabilities(info, logprobs=k, seed=s.seed is not None, chat=True, choices=s.n)
-    gen = Generation(svc, request, P.generate_payload([{"messages": req.messages}], s), Source("messages"),
-                     choices=s.n)
+    k = req.top_logprobs
+    check_capabilities(info, logprobs=s.logprobs, seed=s.seed is not None, chat=True, choices=s.n,
+                       grammar=s.grammar is not None, echo=s.echo)
+    gen = Generation(svc, request, chat_payload(req), Source("messages"), choices=s.n, echo=s.echo)
     await gen.start()
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": m["id"],
             "system_fingerprint": m["fingerprint"]}
@@ -144,17 +152,55 @@ async def chat_completions(svc: Service, request: Request, body: dict):
         return gen.streaming(stream_chat(gen, req, meta), meta["id"])
     out = await gen.collect()
     fins = {c["choice"]: c for c in out.done["choices"]}
+    extra = {"usage": usage(out.done)}
+    if req.prompt_logprobs is not None:
+        extra.update(prompt_logprobs(out.echo.get(0, []), req.prompt_logprobs))
 
     def choice(ci: int) -> dict:
         pieces = build_pieces(out.tokens.pop((0, ci), []))
         lp = {"content": _chat_lp(pieces, k), "refusal": None} if k is not None else None
-        return {"index": ci, "message": {"role": "assistant", "content": "".join(p.text for p in pieces),
-                                         "refusal": None},
-                "logprobs": lp, "finish_reason": fins[ci]["finish_reason"]}
+        text = "".join(p.text for p in pieces)
+        message = {"role": "assistant", "content": text, "refusal": None}
+        finish = fins[ci]["finish_reason"]
+        calls = _calls(text, req.tools, finish)
+        if calls is not None:
+            content, found = calls
+            message.update(content=content or None, tool_calls=[
+                {k2: v for k2, v in c.openai(i).items() if k2 != "index"} for i, c in enumerate(found)])
+            finish = "tool_calls"
+        return {"index": ci, "message": message, "logprobs": lp, "finish_reason": finish}
 
     items = (functools.partial(choice, ci) for ci in range(s.n))
-    return json_answer({**meta, "object": "chat.completion"}, "choices", items, {"usage": usage(out.done)},
-                       gen.headers, out.size)
+    return json_answer({**meta, "object": "chat.completion"}, "choices", items, extra, gen.headers, out.size)
+
+
+def _calls(text: str, tools: Tools | None, finish: str) -> tuple[str, list] | None:
+    """The tool calls of a finished choice, or None: only a choice that ended by itself (not
+    cut by max_tokens) and whose text parses as calls of the given tools has them."""
+    if tools is None or tools.choice == "none" or finish != "stop":
+        return None
+    content, calls = find_calls(text, tools)
+    return (content, calls) if calls else None
+
+
+def prompt_logprobs(echo: list[dict], k: int) -> dict:
+    """vLLM's prompt_logprobs shape (null for position 0, then {id: {logprob, rank,
+    decoded_token}} holding the prompt's token and the top k), with the prompt's token ids and
+    which of them the chat template wrote (docs/api.md)."""
+    pieces = build_pieces([], echo)
+    out = []
+    for p in pieces:
+        if not p.conditioned:
+            out.append(None)
+            continue
+        table = p.top or []
+        ranks = {tid: r + 1 for r, (tid, _, _) in enumerate(table)}
+        d = {str(p.id): {"logprob": p.logprob, "rank": ranks.get(p.id), "decoded_token": own_label(p.token)}}
+        for tid, h, lp in table[:k]:
+            d.setdefault(str(tid), {"logprob": lp, "rank": ranks[tid], "decoded_token": own_label(bytes.fromhex(h))})
+        out.append(d)
+    return {"prompt_logprobs": out, "prompt_token_ids": [p.id for p in pieces],
+            "prompt_template_mask": [bool(e.get("template", False)) for e in echo]}
 
 
 def _chat_lp(pieces: list, k: int) -> list[dict]:
@@ -166,8 +212,11 @@ def _chat_lp(pieces: list, k: int) -> list[dict]:
 
 async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
     n = req.sampling.n
-    k = req.sampling.logprobs
+    k = req.top_logprobs
     streams = [_ChoiceStream() for _ in range(n)]
+    tools = [ToolText(req.tools) if req.tools is not None and req.tools.choice != "none" else None
+             for _ in range(n)]
+    held_pieces: list[list] = [[] for _ in range(n)]
     no_usage = {"usage": None} if req.include_usage else {}
 
     def chunk(ci: int, delta: dict, pieces: list | None = None, finish: str | None = None) -> bytes:
@@ -177,6 +226,18 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
         return sse({**meta, "object": "chat.completion.chunk",
                     "choices": [{"index": ci, "delta": delta, "logprobs": lp, "finish_reason": finish}], **no_usage})
 
+    def content(ci: int, pieces: list) -> bytes | None:
+        text = "".join(x.text for x in pieces)
+        t = tools[ci]
+        if t is None:
+            return chunk(ci, {"content": text}, pieces) if pieces else None
+        out = t.add(text)
+        held_pieces[ci] += pieces
+        if not out:
+            return None
+        sent, held_pieces[ci] = held_pieces[ci], []
+        return chunk(ci, {"content": out}, sent)
+
     for ci in range(n):
         yield chunk(ci, {"role": "assistant", "content": ""})
     async for f in gen.frames():
@@ -184,14 +245,28 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
         if f.kind == "TOKEN":
             pieces = streams[p["choice"]].add(p["tokens"])
             if pieces:
-                yield chunk(p["choice"], {"content": "".join(x.text for x in pieces)}, pieces)
+                c = content(p["choice"], pieces)
+                if c is not None:
+                    yield c
         elif f.kind == "DONE":
             gen.account(p)
             for c in sorted(p["choices"], key=lambda c: c["choice"]):
-                pieces = streams[c["choice"]].flush()
+                ci, finish = c["choice"], c["finish_reason"]
+                pieces = streams[ci].flush()
                 if pieces:
-                    yield chunk(c["choice"], {"content": "".join(x.text for x in pieces)}, pieces)
-                yield chunk(c["choice"], {}, None, c["finish_reason"])
+                    out = content(ci, pieces)
+                    if out is not None:
+                        yield out
+                t = tools[ci]
+                if t is not None and (t.pending or held_pieces[ci]):
+                    calls = _calls(t.seen, req.tools, finish) if t.held else None
+                    if calls is not None:
+                        finish = "tool_calls"
+                        for i, call in enumerate(calls[1]):
+                            yield chunk(ci, {"tool_calls": [call.openai(i)]}, held_pieces[ci] if i == 0 else None)
+                    else:
+                        yield chunk(ci, {"content": t.pending}, held_pieces[ci])
+                yield chunk(ci, {}, None, finish)
             if req.include_usage:
                 yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(p)})
             yield b"data: [DONE]\n\n"

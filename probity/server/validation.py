@@ -8,6 +8,7 @@ from typing import Any
 from .. import protocol as P
 from ..protocol import Sampling
 from .errors import APIError
+from .structured import Tools, parse_tools, response_format, structured_outputs
 
 
 @dataclass
@@ -34,10 +35,13 @@ class CompletionRequest:
 @dataclass
 class ChatRequest:
     model: str
-    messages: list[dict]           # {"role", "content": str}
+    messages: list[dict]           # {"role", "content": str, tool_calls?, tool_call_id?}: the SUBMIT's
     sampling: Sampling             # .logprobs: top_logprobs when logprobs is true, else None
     stream: bool
     include_usage: bool
+    tools: Tools | None = None
+    prompt_logprobs: int | None = None
+    top_logprobs: int | None = None  # the completion's own tables (logprobs: true), None: none
 
 
 # ------------------------------------------------------------------ field helpers
@@ -202,7 +206,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "logprobs", "echo", "stream", "stream_options",
-    "user", "return_tokens_as_token_ids", "group_score",
+    "user", "return_tokens_as_token_ids", "group_score", "response_format", "structured_outputs",
 }
 COMPLETION_REFUSED = {
     "best_of": "generate n choices instead and rank them client-side",
@@ -238,7 +242,7 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     max_tokens = _integer(body, "max_tokens", 16, 0, P.MAX_TOKENS)
     if max_tokens == 0 and not echo:
         raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
-    s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, **fields)
+    s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, grammar=_grammar(body), **fields)
     stream, include_usage = _stream(body)
     if stream and len(members) > 1:
         raise APIError("unsupported_value", "a prompt array is an all-or-nothing batch and cannot stream", "stream")
@@ -305,15 +309,13 @@ def _prompt(body: dict, vocab_size: int) -> tuple[list[dict], bool]:
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs", "top_logprobs",
-    "stream", "stream_options", "user", "response_format",
+    "stream", "stream_options", "user", "response_format", "structured_outputs", "tools", "tool_choice",
+    "parallel_tool_calls", "prompt_logprobs",
 }
 CHAT_REFUSED = {
-    "echo": "echo is a /v1/completions feature",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
+    "echo": "echo is a /v1/completions feature; chat's is prompt_logprobs",
+    "functions": "the deprecated functions API is not supported: use tools",
+    "function_call": "the deprecated functions API is not supported: use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -325,11 +327,30 @@ CHAT_REFUSED = {
 ROLES = P.ROLES
 
 
-def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> ChatRequest:
+def _grammar(body: dict) -> str | None:
+    """response_format or structured_outputs (one of them) as grammar text."""
+    rf, so = response_format(body.get("response_format")), structured_outputs(body.get("structured_outputs"))
+    if rf is not None and so is not None:
+        raise APIError("invalid_value", "give response_format or structured_outputs, not both", "structured_outputs")
+    return rf if rf is not None else so
+
+
+def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_format: str = "hermes") -> ChatRequest:
     _check_keys(body, CHAT_FIELDS, CHAT_REFUSED)
     model = _model(body, served)
-    messages = parse_messages(body.get("messages"))
-    _response_format(body.get("response_format"))
+    messages = parse_messages(body.get("messages"), tools=True)
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), tool_format)
+    grammar = _grammar(body)
+    if tools is not None and tools.forced:
+        if grammar is not None:
+            raise APIError("invalid_value", f"tool_choice {tools.choice!r} decides the output's form: it cannot be "
+                           "combined with response_format or structured_outputs", "tool_choice")
+        grammar = tools.grammar()
+    if tools is not None and tools.choice == "none":
+        tools = Tools(tools.tools, choice="none", fmt=tools.fmt, names=tools.names)
+    pl = body.get("prompt_logprobs")
+    if pl is not None and (not _is_int(pl) or not 0 <= pl <= limits.max_logprobs):
+        raise (_type if not _is_int(pl) else _value)("prompt_logprobs", f"an integer in [0, {limits.max_logprobs}]")
     logprobs = _bool(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top is not None and not _is_int(top):
@@ -342,35 +363,61 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits) -> Chat
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise APIError("invalid_value", "give max_tokens or max_completion_tokens, not both", "max_tokens")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    s = Sampling(max_tokens=_integer(body, key, 16, 1, P.MAX_TOKENS), logprobs=(top or 0) if logprobs else None,
-                 **fields)
+    top_k = top if logprobs else None
+    if pl is not None:
+        # the prompt's positions are reported with the same table width as its tokens
+        top_k = max(top_k or 0, pl)
+    s = Sampling(max_tokens=_integer(body, key, 16, 1, P.MAX_TOKENS), logprobs=top_k,
+                 echo=pl is not None, grammar=grammar, **fields)
+    if pl is not None and s.n > 1:
+        raise APIError("invalid_value", "prompt_logprobs is given once per request: use n = 1", "prompt_logprobs")
     stream, include_usage = _stream(body)
+    if pl is not None and stream:
+        raise APIError("unsupported_value", "prompt_logprobs is not streamed: ask without stream", "prompt_logprobs")
     user = body.get("user")
     if user is not None and type(user) is not str:
         raise _type("user", "a string")
-    return ChatRequest(model=model, messages=messages, sampling=s, stream=stream, include_usage=include_usage)
+    return ChatRequest(model=model, messages=messages, sampling=s, stream=stream, include_usage=include_usage,
+                       tools=tools, prompt_logprobs=pl, top_logprobs=(top or 0) if logprobs else None)
 
 
-def _response_format(rf: Any) -> None:
-    if rf is None:
-        return
-    if type(rf) is not dict:
-        raise _type("response_format", "an object")
-    t = rf.get("type")
-    if t is None:
-        raise _missing("response_format.type")
-    if type(t) is not str:
-        raise _type("response_format.type", "a string")
-    if t != "text":
-        raise APIError("unsupported_value", f"response_format type {t!r} is not supported; only \"text\" is",
-                       "response_format.type")
-    for k in rf:
-        if k != "type":
-            raise APIError("unknown_parameter", f"unknown parameter 'response_format.{k}'", f"response_format.{k}")
+def _tool_calls(v: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls -> the SUBMIT's [{id, name, arguments}]."""
+    if type(v) is not list or not v:
+        raise _type(where, "a non-empty array of tool calls")
+    if len(v) > P.MAX_TOOL_CALLS:
+        raise _value(where, f"at most {P.MAX_TOOL_CALLS} calls")
+    out = []
+    for j, c in enumerate(v):
+        w = f"{where}[{j}]"
+        if type(c) is not dict:
+            raise _type(w, "an object")
+        for k in c:
+            if k not in ("id", "type", "function"):
+                raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+        if c.get("type", "function") != "function":
+            raise APIError("unsupported_value", f"'{w}.type' must be \"function\"", f"{w}.type")
+        f = c.get("function")
+        if type(f) is not dict:
+            raise _type(f"{w}.function", "an object")
+        for k in f:
+            if k not in ("name", "arguments"):
+                raise APIError("unknown_parameter", f"unknown parameter '{w}.function.{k}'", f"{w}.function.{k}")
+        for k, w2 in (("id", f"{w}.id"),):
+            if type(c.get(k)) is not str or not c[k]:
+                raise _type(w2, "a non-empty string")
+        for k in ("name", "arguments"):
+            if type(f.get(k)) is not str:
+                raise _type(f"{w}.function.{k}", "a string")
+        if len(c["id"]) > 256 or len(f["name"]) > 256:
+            raise _value(w, "an id and a name of at most 256 characters")
+        out.append({"id": c["id"], "name": f["name"], "arguments": f["arguments"]})
+    return out
 
 
 def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "messages",
-                   part_keys: tuple[str, ...] = ()) -> list[dict]:
+                   part_keys: tuple[str, ...] = (), tools: bool = False) -> list[dict]:
+    """`tools`: OpenAI's tool messages are accepted too (assistant tool_calls, role tool)."""
     if v is None:
         raise APIError("missing_required_parameter", f"'{param}' is required", param)
     if type(v) is not list:
@@ -378,22 +425,40 @@ def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "message
     if not v:
         raise _value(param, "a non-empty array")
     out = []
+    roles = (*roles, "tool") if tools else roles
+    call_ids: set[str] = set()
     for i, m in enumerate(v):
         where = f"{param}[{i}]"
         if type(m) is not dict:
             raise _type(where, "an object")
+        role = m.get("role")
+        extra = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}.get(role, ()) if tools and type(role) is str \
+            else ()
         for k in m:
-            if k not in ("role", "content"):
+            if k not in ("role", "content", *extra):
                 raise APIError("unsupported_parameter", f"'{where}.{k}' is not supported", f"{where}.{k}")
-        for k in ("role", "content"):
+        calls = m.get("tool_calls") if tools and m.get("role") == "assistant" else None
+        for k in ("role",) if calls is not None else ("role", "content"):
             if m.get(k) is None:
                 raise APIError("missing_required_parameter", f"'{where}.{k}' is required", f"{where}.{k}")
         role = m["role"]
         if role not in roles:
             code = "invalid_type" if type(role) is not str else "unsupported_value"
             raise APIError(code, f"'{where}.role' must be one of {', '.join(roles)}", f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": text_content(m.get("content"), f"{where}.content", part_keys)})
+        msg = {"role": "system" if role == "developer" else role,
+               "content": "" if m.get("content") is None else text_content(m["content"], f"{where}.content", part_keys)}
+        if calls is not None:
+            msg["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+            call_ids.update(c["id"] for c in msg["tool_calls"])
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if type(tid) is not str:
+                raise (_missing if tid is None else lambda p: _type(p, "a string"))(f"{where}.tool_call_id")
+            if tid not in call_ids:
+                raise APIError("invalid_value", f"'{where}.tool_call_id' {tid[:64]!r} answers no tool call of an "
+                               "earlier assistant message", f"{where}.tool_call_id")
+            msg["tool_call_id"] = tid
+        out.append(msg)
     return out
 
 

@@ -1,0 +1,91 @@
+"""Constrained decoding: a request's grammar (llguidance's grammar text, built by the server
+from a JSON schema, a regex, a choice list, a Lark grammar or the tools it was given) turned
+into one matcher per choice, and each step's token masks.
+
+The mask only decides what can be drawn. The values reported for a token (tables.py) are the
+model's raw distribution, computed before any mask, so a constrained token's logprob is the
+same float the unconstrained model gives it (docs/api.md, Structured outputs).
+
+Compiled grammars are cached by their text (a fresh matcher is a deep copy of the cached one,
+microseconds). The masks of a step are computed by llguidance's own thread pool while the
+forward runs: the matchers' states are known before it starts, and llguidance drops the GIL."""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+
+import llguidance
+import llguidance.hf
+import torch
+
+from .work import Refusal
+
+CACHE_GRAMMARS = 64           # compiled grammars kept (least recently used dropped first)
+DEAD_END = "grammar_dead_end"  # the finish of a choice whose grammar allows no token at all
+
+
+def limits() -> llguidance.LLParserLimits:
+    """The parser's bounds for one request: a schema that needs more is refused by name
+    (at validation, with these same limits), a step that needs more ends its choice."""
+    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000,
+                                     step_max_items=50_000, verbose_errors=False)
+
+
+class Grammars:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._eos = eos_ids
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
+        self._executor: llguidance.LLExecutor | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probity-masks")
+        self.words = (vocab_size + 31) // 32
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary (~0.3 s to build for 49k tokens: on first use)."""
+        if self._lltok is None:
+            self._lltok = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size,
+                                                       eos_token=self._eos or None)
+        return self._lltok
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher for `grammar`, or Refusal BAD_REQUEST naming `grammar`."""
+        m = self._cache.get(grammar)
+        if m is None:
+            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits())
+            if m.is_error():
+                raise Refusal("BAD_REQUEST", f"the grammar does not compile: {m.get_error()}", "grammar")
+            self._cache[grammar] = m
+            while len(self._cache) > CACHE_GRAMMARS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(grammar)
+        return m.deep_copy()
+
+    # ------------------------------------------------------------ masks
+    def start_masks(self, matchers: list[llguidance.LLMatcher]) -> concurrent.futures.Future | None:
+        """Begin computing the masks of these matchers (one int32 bit-row each) in the
+        background; `.result()` is the [len, words] tensor."""
+        if not matchers:
+            return None
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=1)
+        out = torch.empty((len(matchers), self.words), dtype=torch.int32)
+
+        def fill():
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                                   out.data_ptr(), self.words * 4, len(matchers))
+            return out
+        return self._pool.submit(fill)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """One row of mask words -> a bool row over the vocabulary (bit i of word w: token 32w + i)."""
+    return ((words.unsqueeze(-1) >> _BITS) & 1).reshape(-1)[:vocab].bool()

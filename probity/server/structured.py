@@ -1,0 +1,416 @@
+"""Structured outputs and tools, on the server's side: what a request asks for (a JSON schema,
+a regex, a choice list, a grammar, tools that must be called) compiled into llguidance's
+grammar text and checked before any engine work, and the tool calls found in what the model
+wrote. The engine applies the grammar (engine/grammar.py); docs/api.md says what each field
+does."""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+
+from ..engine.grammar import limits
+from .errors import APIError
+
+# JSON is written as Python's json.dumps writes it ({"a": 1, "b": [2, 3]}): no free whitespace,
+# so a model cannot pad an answer forever; a schema's own "x-guidance" key overrides this.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_TOOLS = 128
+_checked: collections.OrderedDict[str, str] = collections.OrderedDict()  # grammar -> "" or its error
+
+
+def check(grammar: str, param: str) -> str:
+    """The grammar, or a named 400 at `param` if llguidance cannot compile it (within the
+    engine's own parser limits, so what passes here compiles there)."""
+    err = _checked.get(grammar)
+    if err is None:
+        try:
+            is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
+        except Exception as e:  # noqa: BLE001 -- whatever the library says, it is the request's grammar
+            is_error, msgs = True, [str(e)]
+        err = "; ".join(msgs)[:2000] if is_error else ""
+        _checked[grammar] = err
+        while len(_checked) > 256:
+            _checked.popitem(last=False)
+    if err:
+        raise APIError("invalid_grammar", f"'{param}' cannot be compiled: {err}", param)
+    return grammar
+
+
+def json_grammar(schema: Any, param: str) -> str:
+    if type(schema) is bool:
+        schema = {} if schema else {"not": {}}
+    if type(schema) is not dict:
+        raise APIError("invalid_type", f"'{param}' must be a JSON schema object", param)
+    try:
+        g = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    except (ValueError, TypeError) as e:
+        raise APIError("invalid_grammar", f"'{param}' is not a usable JSON schema: {e}", param) from None
+    return check(g, param)
+
+
+def _strict_problems(schema: Any, where: str = "schema") -> str | None:
+    """OpenAI's strict mode: every object lists all its properties as required and sets
+    additionalProperties to false. The first place that does not, or None."""
+    if type(schema) is dict:
+        if schema.get("type") == "object" or "properties" in schema:
+            props = schema.get("properties", {})
+            if schema.get("additionalProperties") is not False:
+                return f"{where}: additionalProperties must be false in strict mode"
+            if type(props) is dict and set(schema.get("required", [])) != set(props):
+                return f"{where}: every property must be required in strict mode"
+        for k, v in schema.items():
+            if k in ("properties", "$defs", "definitions") and type(v) is dict:
+                for name, sub in v.items():
+                    p = _strict_problems(sub, f"{where}.{k}.{name}")
+                    if p:
+                        return p
+            elif k in ("items", "additionalProperties", "not"):
+                p = _strict_problems(v, f"{where}.{k}")
+                if p:
+                    return p
+            elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and type(v) is list:
+                for i, sub in enumerate(v):
+                    p = _strict_problems(sub, f"{where}.{k}[{i}]")
+                    if p:
+                        return p
+    return None
+
+
+def _keys(obj: dict, allowed: tuple[str, ...], where: str) -> None:
+    for k in obj:
+        if k not in allowed:
+            raise APIError("unknown_parameter", f"unknown parameter '{where}.{k}'", f"{where}.{k}")
+
+
+def _obj(v: Any, param: str) -> dict:
+    if type(v) is not dict:
+        raise APIError("invalid_type", f"'{param}' must be an object", param)
+    return v
+
+
+def _str(v: Any, param: str, allow_empty: bool = False) -> str:
+    if type(v) is not str:
+        raise APIError("invalid_type" if v is not None else "missing_required_parameter",
+                       f"'{param}' must be a string" if v is not None else f"'{param}' is required", param)
+    if not v and not allow_empty:
+        raise APIError("invalid_value", f"'{param}' must be a non-empty string", param)
+    return v
+
+
+def response_format(rf: Any) -> str | None:
+    """OpenAI's response_format: text (nothing), json_object or json_schema -> grammar text."""
+    if rf is None:
+        return None
+    rf = _obj(rf, "response_format")
+    t = rf.get("type")
+    if t is None:
+        raise APIError("missing_required_parameter", "'response_format.type' is required", "response_format.type")
+    if t == "text":
+        _keys(rf, ("type",), "response_format")
+        return None
+    if t == "json_object":
+        _keys(rf, ("type",), "response_format")
+        return json_grammar({"type": "object"}, "response_format")
+    if t == "json_schema":
+        _keys(rf, ("type", "json_schema"), "response_format")
+        js = _obj(rf.get("json_schema"), "response_format.json_schema")
+        _keys(js, ("name", "description", "schema", "strict"), "response_format.json_schema")
+        name = _str(js.get("name"), "response_format.json_schema.name")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise APIError("invalid_value", "'response_format.json_schema.name' must be 1-64 of a-z, A-Z, 0-9, _ and -",
+                           "response_format.json_schema.name")
+        if js.get("description") is not None:
+            _str(js["description"], "response_format.json_schema.description", allow_empty=True)
+        strict = js.get("strict")
+        if strict is not None and type(strict) is not bool:
+            raise APIError("invalid_type", "'response_format.json_schema.strict' must be a boolean",
+                           "response_format.json_schema.strict")
+        schema = js.get("schema", {})
+        if strict:
+            problem = _strict_problems(schema)
+            if problem:
+                raise APIError("invalid_schema", f"'response_format.json_schema.schema' {problem}",
+                               "response_format.json_schema.schema")
+        return json_grammar(schema, "response_format.json_schema.schema")
+    if type(t) is not str:
+        raise APIError("invalid_type", "'response_format.type' must be a string", "response_format.type")
+    raise APIError("unsupported_value", f"response_format type {t!r} is not supported; text, json_object and "
+                   "json_schema are", "response_format.type")
+
+
+def structured_outputs(so: Any) -> str | None:
+    """vLLM's `structured_outputs` extension: exactly one of json, regex, choice, grammar,
+    json_object."""
+    if so is None:
+        return None
+    so = _obj(so, "structured_outputs")
+    _keys(so, ("json", "regex", "choice", "grammar", "json_object"), "structured_outputs")
+    given = [k for k in so if so[k] is not None and so[k] is not False]
+    if len(given) != 1:
+        raise APIError("invalid_value", "'structured_outputs' takes exactly one of json, regex, choice, grammar, "
+                       "json_object", "structured_outputs")
+    k = given[0]
+    v, param = so[k], f"structured_outputs.{k}"
+    if k == "json":
+        if type(v) is str:
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise APIError("invalid_grammar", f"'{param}' is not JSON: {e}", param) from None
+        return json_grammar(v, param)
+    if k == "json_object":
+        if v is not True:
+            raise APIError("invalid_type", f"'{param}' must be true", param)
+        return json_grammar({"type": "object"}, param)
+    if k == "regex":
+        return check(llguidance.LLMatcher.grammar_from_regex(_str(v, param)), param)
+    if k == "choice":
+        if type(v) is not list or not v or any(type(c) is not str or not c for c in v):
+            raise APIError("invalid_type", f"'{param}' must be a non-empty array of non-empty strings", param)
+        return check(llguidance.grammar_from("choice", v), param)
+    try:  # grammar: Lark (llguidance's dialect) or GBNF
+        return check(llguidance.grammar_from("grammar", _str(v, param)), param)
+    except ValueError as e:
+        raise APIError("invalid_grammar", f"'{param}' cannot be compiled: {e}", param) from None
+
+
+# ------------------------------------------------------------------ tools
+
+@dataclass
+class Tools:
+    """A request's tools (OpenAI's shape), what it demands of them, and how the model writes calls."""
+    tools: list[dict]                  # [{"type": "function", "function": {name, description?, parameters}}]
+    choice: str = "auto"               # none, auto, required, or "function" (a named one)
+    named: str | None = None
+    parallel: bool = True
+    fmt: str = "hermes"
+    names: set[str] = field(default_factory=set)
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def wire(self) -> str:
+        return json.dumps(self.tools, ensure_ascii=False, separators=(",", ":"))
+
+    def grammar(self) -> str | None:
+        """The grammar of a forced call: every output parses to calls of the allowed functions
+        whose arguments match their parameters' schema."""
+        if not self.forced:
+            return None
+        fns = [t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.named]
+        key = "parameters" if self.fmt == "llama3_json" else "arguments"
+        alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                   key: f.get("parameters") or {"type": "object"}},
+                 "required": ["name", key], "additionalProperties": False} for f in fns]
+        call = alts[0] if len(alts) == 1 else {"anyOf": alts}
+        obj = "%json " + json.dumps({**call, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+        if self.fmt == "hermes":
+            rule = 'call: "<tool_call>\\n" obj "\\n</tool_call>"'
+            start = 'start: call ("\\n" call)*' if self.parallel else "start: call"
+        elif self.fmt == "llama3_json":
+            rule = "call: obj"
+            start = 'start: call ("; " call)*' if self.parallel else "start: call"
+        else:
+            raise APIError("unsupported_value", f"tool_choice {self.choice!r} cannot be enforced for this model's "
+                           f"tool-call format ({self.fmt}); use \"auto\"", "tool_choice")
+        return check(llguidance.LLMatcher.grammar_from_lark(f"{start}\n{rule}\nobj: {obj}\n"), "tools")
+
+
+def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools | None:
+    """OpenAI's tools, tool_choice and parallel_tool_calls, or a named 400."""
+    if tool_choice is not None and type(tool_choice) not in (str, dict):
+        raise APIError("invalid_type", "'tool_choice' must be a string or an object", "tool_choice")
+    if parallel is not None and type(parallel) is not bool:
+        raise APIError("invalid_type", "'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if tools is None:
+        if tool_choice not in (None, "none", "auto"):
+            raise APIError("invalid_value", "'tool_choice' must be none or auto without 'tools'", "tool_choice")
+        return None
+    if type(tools) is not list:
+        raise APIError("invalid_type", "'tools' must be an array", "tools")
+    if not tools:
+        raise APIError("invalid_value", "'tools' must be a non-empty array", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError("invalid_value", f"'tools' holds at most {MAX_TOOLS} tools", "tools")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        w = f"tools[{i}]"
+        t = _obj(t, w)
+        _keys(t, ("type", "function"), w)
+        if t.get("type") != "function":
+            raise APIError("unsupported_value", f"'{w}.type' must be \"function\"", f"{w}.type")
+        f = _obj(t.get("function"), f"{w}.function")
+        _keys(f, ("name", "description", "parameters", "strict"), f"{w}.function")
+        name = _str(f.get("name"), f"{w}.function.name")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise APIError("invalid_value", f"'{w}.function.name' must be 1-64 of a-z, A-Z, 0-9, _ and -",
+                           f"{w}.function.name")
+        if name in names:
+            raise APIError("invalid_value", f"tool name {name!r} is given twice", f"{w}.function.name")
+        names.add(name)
+        fn = {"name": name}
+        if f.get("description") is not None:
+            fn["description"] = _str(f["description"], f"{w}.function.description", allow_empty=True)
+        params = f.get("parameters")
+        if params is not None:
+            params = _obj(params, f"{w}.function.parameters")
+            if f.get("strict") is True:
+                problem = _strict_problems(params)
+                if problem:
+                    raise APIError("invalid_schema", f"'{w}.function.parameters' {problem}", f"{w}.function.parameters")
+            json_grammar(params, f"{w}.function.parameters")
+            fn["parameters"] = params
+        else:
+            fn["parameters"] = {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    spec = Tools(out, names=names, fmt=fmt)
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        spec.choice = tool_choice or "auto"
+    elif type(tool_choice) is dict:
+        _keys(tool_choice, ("type", "function"), "tool_choice")
+        if tool_choice.get("type") != "function":
+            raise APIError("unsupported_value", "'tool_choice.type' must be \"function\"", "tool_choice.type")
+        fc = _obj(tool_choice.get("function"), "tool_choice.function")
+        _keys(fc, ("name",), "tool_choice.function")
+        name = _str(fc.get("name"), "tool_choice.function.name")
+        if name not in names:
+            raise APIError("invalid_value", f"tool_choice names {name!r}, which is not among the tools",
+                           "tool_choice.function.name")
+        spec.choice, spec.named = "function", name
+    elif type(tool_choice) is str:
+        raise APIError("invalid_value", "'tool_choice' must be none, auto, required or a named function",
+                       "tool_choice")
+    else:
+        raise APIError("invalid_type", "'tool_choice' must be a string or an object", "tool_choice")
+    if parallel is not None:
+        if type(parallel) is not bool:
+            raise APIError("invalid_type", "'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+        spec.parallel = parallel
+    return spec
+
+
+@dataclass
+class Call:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+    def openai(self, index: int) -> dict:
+        return {"index": index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def _call(obj: Any, names: set[str], key: str) -> Call | None:
+    if type(obj) is not dict or obj.get("name") not in names:
+        return None
+    args = obj.get(key, obj.get("arguments" if key == "parameters" else "parameters"))
+    if type(args) is not dict:
+        return None
+    return Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def find_calls(text: str, spec: Tools) -> tuple[str, list[Call]]:
+    """(content, calls) from a finished output in the model's tool-call format. Text that is not
+    a valid call (unknown name, arguments not an object, not JSON) stays text: ("text", [])."""
+    fmt = spec.fmt
+    if fmt == "hermes":
+        found = list(_HERMES.finditer(text))
+        if not found:
+            return text, []
+        calls = []
+        for m in found:
+            try:
+                c = _call(json.loads(m.group(1)), spec.names, "arguments")
+            except ValueError:
+                c = None
+            if c is None:
+                return text, []
+            calls.append(c)
+        return _HERMES.sub("", text).strip(), calls
+    if fmt == "mistral":
+        at = text.find("[TOOL_CALLS]")
+        if at < 0:
+            return text, []
+        try:
+            arr = json.loads(text[at + len("[TOOL_CALLS]"):].strip())
+        except ValueError:
+            return text, []
+        calls = [_call(o, spec.names, "arguments") for o in (arr if type(arr) is list else [arr])]
+        return (text[:at].strip(), calls) if calls and all(calls) else (text, [])
+    body = text.strip().removeprefix("<|python_tag|>").strip()   # llama3_json
+    calls, dec, at = [], json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            obj, end = dec.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        c = _call(obj, spec.names, "parameters")
+        if c is None:
+            return text, []
+        calls.append(c)
+        at = end
+        while at < len(body) and body[at] in "; \n\t":
+            at += 1
+    return ("", calls) if calls else (text, [])
+
+
+def call_start(fmt: str) -> str:
+    """The text that opens a call in this format (streaming holds content back from here on)."""
+    return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(fmt, "{")
+
+
+class ToolText:
+    """One streamed choice's text where the model may call tools: content goes out as it
+    comes until a call may be starting (the format's opening text, or a prefix of it at the
+    end), then is held; at the end, held text that parses as calls becomes tool-call deltas,
+    and is sent as content otherwise."""
+
+    def __init__(self, tools: Tools):
+        self.tools = tools
+        self.marker = call_start(tools.fmt)
+        self.pending = ""      # content not yet sent: it may begin a call
+        self.held = False      # a call has begun: everything from here waits for the end
+        self.seen = ""         # all text so far (a llama3_json call opens the output)
+
+    def add(self, text: str) -> str:
+        """Content that can go out now."""
+        self.seen += text
+        self.pending += text
+        if self.held:
+            return ""
+        if self.marker is None:   # the output began otherwise: it is content throughout
+            out, self.pending = self.pending, ""
+            return out
+        if self.marker == "{":    # llama3_json: a call is the whole output, from its first character
+            head = self.seen.lstrip()
+            if not head or "<|python_tag|>".startswith(head):
+                return ""
+            if head.startswith(("{", "<|python_tag|>")):
+                self.held = True
+                return ""
+            self.marker = None
+            out, self.pending = self.pending, ""
+            return out
+        at = self.pending.find(self.marker)
+        if at >= 0:
+            out, self.pending, self.held = self.pending[:at], self.pending[at:], True
+            return out
+        keep = next((n for n in range(min(len(self.marker) - 1, len(self.pending)), 0, -1)
+                     if self.marker.startswith(self.pending[-n:])), 0)
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        return out
