@@ -17,7 +17,7 @@ from .pieces import TextBuilder, build_pieces
 from .capabilities import check_capabilities
 from .errors import APIError
 from .generation import Generation, Source, run_op
-from .structured import Tools, ToolText, find_calls, parse_tools
+from .structured import Tools, ToolText, check_keys, find_calls, parse_tools
 from .validation import _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages, text_content
 
 if TYPE_CHECKING:
@@ -61,9 +61,7 @@ def _anthropic_tools(body: dict, fmt: str) -> Tools | None:
         w = f"tools[{i}]"
         if type(t) is not dict:
             raise _type(w, "an object")
-        for k in t:
-            if k not in ("name", "description", "input_schema", "type", "cache_control"):
-                raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+        check_keys(t, ("name", "description", "input_schema", "type", "cache_control"), w)
         if t.get("type", "custom") != "custom":
             raise APIError("unsupported_value", f"'{w}.type' {t['type']!r}: only custom (client) tools are supported",
                            f"{w}.type")

@@ -82,7 +82,8 @@ def _strict_problems(schema: Any, where: str = "schema") -> str | None:
     return None
 
 
-def _keys(obj: dict, allowed: tuple[str, ...], where: str) -> None:
+def check_keys(obj: dict, allowed: tuple[str, ...], where: str) -> None:
+    """unknown_parameter on `where.key` for a key of obj not in `allowed`."""
     for k in obj:
         if k not in allowed:
             raise APIError("unknown_parameter", f"unknown parameter '{where}.{k}'", f"{where}.{k}")
@@ -112,15 +113,15 @@ def response_format(rf: Any) -> str | None:
     if t is None:
         raise APIError("missing_required_parameter", "'response_format.type' is required", "response_format.type")
     if t == "text":
-        _keys(rf, ("type",), "response_format")
+        check_keys(rf, ("type",), "response_format")
         return None
     if t == "json_object":
-        _keys(rf, ("type",), "response_format")
+        check_keys(rf, ("type",), "response_format")
         return json_grammar({"type": "object"}, "response_format")
     if t == "json_schema":
-        _keys(rf, ("type", "json_schema"), "response_format")
+        check_keys(rf, ("type", "json_schema"), "response_format")
         js = _obj(rf.get("json_schema"), "response_format.json_schema")
-        _keys(js, ("name", "description", "schema", "strict"), "response_format.json_schema")
+        check_keys(js, ("name", "description", "schema", "strict"), "response_format.json_schema")
         name = _str(js.get("name"), "response_format.json_schema.name")
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
             raise APIError("invalid_value", "'response_format.json_schema.name' must be 1-64 of a-z, A-Z, 0-9, _ and -",
@@ -150,7 +151,7 @@ def structured_outputs(so: Any) -> str | None:
     if so is None:
         return None
     so = _obj(so, "structured_outputs")
-    _keys(so, ("json", "regex", "choice", "grammar", "json_object"), "structured_outputs")
+    check_keys(so, ("json", "regex", "choice", "grammar", "json_object"), "structured_outputs")
     given = [k for k in so if so[k] is not None and so[k] is not False]
     if len(given) != 1:
         raise APIError("invalid_value", "'structured_outputs' takes exactly one of json, regex, choice, grammar, "
@@ -243,11 +244,11 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools 
     for i, t in enumerate(tools):
         w = f"tools[{i}]"
         t = _obj(t, w)
-        _keys(t, ("type", "function"), w)
+        check_keys(t, ("type", "function"), w)
         if t.get("type") != "function":
             raise APIError("unsupported_value", f"'{w}.type' must be \"function\"", f"{w}.type")
         f = _obj(t.get("function"), f"{w}.function")
-        _keys(f, ("name", "description", "parameters", "strict"), f"{w}.function")
+        check_keys(f, ("name", "description", "parameters", "strict"), f"{w}.function")
         name = _str(f.get("name"), f"{w}.function.name")
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
             raise APIError("invalid_value", f"'{w}.function.name' must be 1-64 of a-z, A-Z, 0-9, _ and -",
@@ -274,11 +275,11 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools 
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         spec.choice = tool_choice or "auto"
     elif type(tool_choice) is dict:
-        _keys(tool_choice, ("type", "function"), "tool_choice")
+        check_keys(tool_choice, ("type", "function"), "tool_choice")
         if tool_choice.get("type") != "function":
             raise APIError("unsupported_value", "'tool_choice.type' must be \"function\"", "tool_choice.type")
         fc = _obj(tool_choice.get("function"), "tool_choice.function")
-        _keys(fc, ("name",), "tool_choice.function")
+        check_keys(fc, ("name",), "tool_choice.function")
         name = _str(fc.get("name"), "tool_choice.function.name")
         if name not in names:
             raise APIError("invalid_value", f"tool_choice names {name!r}, which is not among the tools",

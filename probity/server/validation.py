@@ -8,7 +8,7 @@ from typing import Any
 from .. import protocol as P
 from ..protocol import Sampling
 from .errors import APIError
-from .structured import Tools, parse_tools, response_format, structured_outputs
+from .structured import Tools, check_keys, parse_tools, response_format, structured_outputs
 
 
 @dataclass
@@ -392,9 +392,7 @@ def _tool_calls(v: Any, where: str) -> list[dict]:
         w = f"{where}[{j}]"
         if type(c) is not dict:
             raise _type(w, "an object")
-        for k in c:
-            if k not in ("id", "type", "function"):
-                raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+        check_keys(c, ("id", "type", "function"), w)
         if c.get("type", "function") != "function":
             raise APIError("unsupported_value", f"'{w}.type' must be \"function\"", f"{w}.type")
         f = c.get("function")
