@@ -277,7 +277,10 @@ def test_anthropic_tools(aclient, server):
     with aclient.messages.stream(**kw) as s:
         final = s.get_final_message()
     assert final.stop_reason == "tool_use"
-    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(uses[0].name, uses[0].input)]
+    def blocks(m):   # ids are fresh per answer; everything else must agree
+        return [(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None))
+                for b in m.content]
+    assert blocks(final) == blocks(msg)
     named = aclient.messages.create(**{**kw, "tool_choice": {"type": "tool", "name": "get_time",
                                                               "disable_parallel_tool_use": True}})
     assert [b.name for b in named.content if b.type == "tool_use"] == ["get_time"]
@@ -318,3 +321,41 @@ def test_chat_prompt_logprobs_equal_completion_echo(server):
     content_ids = [t for t, is_template in zip(ids, mask) if not is_template]
     said = server.post("/detokenize", {"model": m, "tokens": content_ids}).json()["prompt"]
     assert said == content and any(mask)
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+OUTPUTS = [
+    ("hermes", "Let me look.\n" + CALL),
+    ("hermes", CALL + "\n" + CALL.replace("Oslo", "Rome")),
+    ("hermes", "No call here, just <tool_ text."),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>"),
+    ("hermes", '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>'),
+    ("hermes", "trailing <tool_c"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                    '{"name": "get_weather", "parameters": {"city": "X", "days": 3}}'),
+    ("llama3_json", "  Plain words {not a call}"),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}]'),
+]
+
+
+@pytest.mark.parametrize("fmt,text", OUTPUTS)
+def test_streamed_text_and_calls_equal_the_parsed_whole(fmt, text):
+    """However the text arrives, what streaming sends as content plus the calls it finds equal
+    find_calls on the whole output (what a non-streamed answer returns)."""
+    import random
+    from probity.server.structured import ToolText, find_calls, parse_tools
+    spec = parse_tools([WEATHER, TIME], "auto", None, fmt)
+    content, calls = find_calls(text, spec)
+    for seed in range(20):
+        rnd = random.Random(seed)
+        t, sent, at = ToolText(spec), "", 0
+        while at < len(text):
+            n = rnd.randint(1, 6)
+            sent += t.add(text[at:at + n])
+            at += n
+        found = find_calls(t.seen, spec)[1] if t.held else []
+        if not found:
+            sent += t.pending
+        assert sent == (content if calls else text), (seed, sent)
+        assert [(c.name, c.arguments) for c in found] == [(c.name, c.arguments) for c in calls]

@@ -296,9 +296,18 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
     text = TextBuilder()
     held = ToolText(tools) if tools is not None and tools.choice != "none" else None
 
+    opened = False   # with tools, the text block opens at the first text: an answer that is only calls has none
+
+    def open_text() -> bytes:
+        nonlocal opened
+        opened = True
+        return event("content_block_start", {"type": "content_block_start", "index": 0,
+                                             "content_block": {"type": "text", "text": ""}})
+
     def delta(piece: str) -> bytes:
-        return event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                             "delta": {"type": "text_delta", "text": piece}})
+        head = b"" if opened else open_text()
+        return head + event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                    "delta": {"type": "text_delta", "text": piece}})
     nxt = None
     try:
         yield event("message_start", {"type": "message_start", "message": {
@@ -306,8 +315,8 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": cached,
                       "cache_creation_input_tokens": 0}}})
-        yield event("content_block_start", {"type": "content_block_start", "index": 0,
-                                            "content_block": {"type": "text", "text": ""}})
+        if held is None:   # without tools there is always one text block: it opens at once
+            yield open_text()
         yield event("ping", {"type": "ping"})
         frames = gen.frames().__aiter__()
         while True:
@@ -340,8 +349,11 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
                     used = _tool_use(held.seen, tools, f.payload["choices"][0]["finish_reason"])
                 if held is not None and used is None and held.pending:
                     yield delta(held.pending)
-                yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
-                for i, block in enumerate(used[1] if used else [], start=1):
+                if not opened and not used:
+                    yield open_text()
+                if opened:
+                    yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                for i, block in enumerate(used[1] if used else [], start=int(opened)):
                     yield event("content_block_start", {"type": "content_block_start", "index": i,
                                                         "content_block": {**block, "input": {}}})
                     yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {

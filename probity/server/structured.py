@@ -325,8 +325,10 @@ def _call(obj: Any, names: set[str], key: str) -> Call | None:
 
 
 def find_calls(text: str, spec: Tools) -> tuple[str, list[Call]]:
-    """(content, calls) from a finished output in the model's tool-call format. Text that is not
-    a valid call (unknown name, arguments not an object, not JSON) stays text: ("text", [])."""
+    """(content, calls) from a finished output in the model's tool-call format: the content is
+    the text before the first call, without trailing whitespace (what streaming sends as
+    content). Text that is not a valid call (unknown name, arguments not an object, not JSON)
+    stays text: ("text", [])."""
     fmt = spec.fmt
     if fmt == "hermes":
         found = list(_HERMES.finditer(text))
@@ -341,7 +343,7 @@ def find_calls(text: str, spec: Tools) -> tuple[str, list[Call]]:
             if c is None:
                 return text, []
             calls.append(c)
-        return _HERMES.sub("", text).strip(), calls
+        return text[: found[0].start()].rstrip(), calls
     if fmt == "mistral":
         at = text.find("[TOOL_CALLS]")
         if at < 0:
@@ -351,7 +353,7 @@ def find_calls(text: str, spec: Tools) -> tuple[str, list[Call]]:
         except ValueError:
             return text, []
         calls = [_call(o, spec.names, "arguments") for o in (arr if type(arr) is list else [arr])]
-        return (text[:at].strip(), calls) if calls and all(calls) else (text, [])
+        return (text[:at].rstrip(), calls) if calls and all(calls) else (text, [])
     body = text.strip().removeprefix("<|python_tag|>").strip()   # llama3_json
     calls, dec, at = [], json.JSONDecoder(), 0
     while at < len(body):
@@ -408,10 +410,12 @@ class ToolText:
             return out
         at = self.pending.find(self.marker)
         if at >= 0:
-            out, self.pending, self.held = self.pending[:at], self.pending[at:], True
+            out = self.pending[:at].rstrip()
+            self.pending, self.held = self.pending[len(out):], True
             return out
         keep = next((n for n in range(min(len(self.marker) - 1, len(self.pending)), 0, -1)
                      if self.marker.startswith(self.pending[-n:])), 0)
-        out = self.pending[: len(self.pending) - keep]
+        # whitespace before a call is not content (find_calls drops it too): it waits for what follows
+        out = self.pending[: len(self.pending) - keep].rstrip()
         self.pending = self.pending[len(out):]
         return out
