@@ -163,6 +163,44 @@ def test_the_default_model_is_served_from_its_gguf_blocks_within_its_memory_boun
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
+def test_the_kernels_read_each_weight_as_the_reference_expands_it(kind):
+    """The kernels' own in-register expansion (a few rows: fused; more: block by block), over
+    random blocks with extreme, subnormal and zero scales: multiplying by one-hot inputs gives
+    each weight back alone (1 * w + 0, exact), and it equals gguf-py's value bit for bit. This
+    guards the single-rounding (FMA) forms of (s * q) + m and (s * q) - t, exact only because
+    s * q is."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    from probity.engine import kernels
+
+    if kernels.lib() is None:
+        pytest.skip(f"no kernel here: {kernels.why_not()}")
+    rng = np.random.default_rng(11 + list(TYPES).index(kind))
+    n, k = 48, 256
+    qt = getattr(GGMLQuantizationType, kind)
+    per, size = GGML_QUANT_SIZES[qt]
+    nb = n * k // per
+    if kind == "F16":
+        raw = _f16_bits(rng, (n * k,)).view(np.uint8)
+    elif kind == "BF16":
+        raw = (rng.integers(0, 0x7F80, size=n * k, dtype=np.uint16)
+               | (rng.integers(0, 2, size=n * k, dtype=np.uint16) << 15)).view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+        for off in {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
+            raw[:, off:off + 2] = _f16_bits(rng, (nb,)).view(np.uint8).reshape(nb, 2)
+    raw = raw.reshape(n, -1)
+    ref = torch.from_numpy(quants.dequantize(raw, qt).reshape(n, k).astype(np.float32))
+    w = pack(kind, raw, (n, k))
+    eye = torch.eye(k)
+    for rows in (1, 3, 6, 32):   # fused with 4, 2 and 1 panels side by side; the wide kernel
+        for k0 in range(0, k, rows):
+            got = kernels.linear_stored(eye[k0:k0 + rows], w, k)
+            want = ref[:, k0:k0 + rows].T
+            assert torch.equal(got, want), (rows, k0)   # +0 and -0 compare equal: 0 * w may be either
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
 def test_the_stored_kernel_gives_the_float32_kernels_bits(kind):
     """A narrow call on a stored weight (expanded panel by panel, or position by position into
     registers for a few rows on AVX-512, one to four panels side by side) equals the float32 kernel on the expanded weight, bit
