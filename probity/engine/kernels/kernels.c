@@ -249,6 +249,76 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
 
 /* q [T][KV*G][hd] (item j's row: row[j]), keys [KV][items][L][hd], pos[j]: item j sees keys
  * 0..pos[j]; out [KV][items][S][G][64] */
+/* AVX-512 forms of a decode slice's two GEMMs: the same chain for every score and every value
+ * column (over d, resp. n, in order, from 0), so the same bits as score_slice and value_row;
+ * what changes is the grouping: up to 4 query rows at once over 16 keys (or 16 value columns)
+ * per vector, so 12-16 independent chains hide the FMA latency that one row's chains of 64
+ * steps cannot, and a key or value vector is loaded once for all the rows. */
+#define K512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
+
+static int cpu_avx512(void)
+{
+    static int known = -1;
+    if (known < 0)
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+    return known;
+}
+
+K512 static void score_slice512(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
+{
+    for (int64_t j = 0; j < SLICE; j += 8)
+        for (int64_t d = 0; d < hd; d += 8)
+            transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
+    for (int64_t c0 = 0; c0 < C; c0 += 4) {
+        const int rows = C - c0 >= 4 ? 4 : (int)(C - c0);
+        __m512 a[4][SLICE / 16];
+        for (int r = 0; r < 4; r++)
+            for (int v = 0; v < SLICE / 16; v++) a[r][v] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hd; d++) {
+            __m512 k[SLICE / 16];
+            for (int v = 0; v < SLICE / 16; v++) k[v] = _mm512_loadu_ps(kt + d * SLICE + v * 16);
+            for (int r = 0; r < rows; r++) {
+                const __m512 x = _mm512_set1_ps(qb[(c0 + r) * hd + d]);
+                for (int v = 0; v < SLICE / 16; v++) a[r][v] = _mm512_fmadd_ps(x, k[v], a[r][v]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < SLICE / 16; v++) _mm512_storeu_ps(ob + (c0 + r) * SLICE + v * 16, a[r][v]);
+    }
+}
+
+/* value_row for C rows of one slice (ec [C][SLICE] -> oc [C][W]) when W - 1 is a multiple of 16
+ * (V's columns, then its column of ones: a scalar chain per row, as in value_row) */
+K512 static void value_rows512(const float *ec, int64_t C, const float *vb, float *oc, int64_t W)
+{
+    const int64_t wv = W - 1;
+    for (int64_t j0 = 0; j0 < wv; j0 += 64) {
+        const int nv = wv - j0 >= 64 ? 4 : (int)((wv - j0) / 16);
+        for (int64_t c0 = 0; c0 < C; c0 += 3) {
+            const int rows = C - c0 >= 3 ? 3 : (int)(C - c0);
+            __m512 a[3][4];
+            float t1[3] = {0.0f, 0.0f, 0.0f};
+            for (int r = 0; r < 3; r++)
+                for (int v = 0; v < 4; v++) a[r][v] = _mm512_setzero_ps();
+            for (int64_t n = 0; n < SLICE; n++) {
+                const float *vn = vb + n * W + j0;
+                __m512 w[4];
+                for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_ps(vn + v * 16);
+                for (int r = 0; r < rows; r++) {
+                    const float en = ec[(c0 + r) * SLICE + n];
+                    const __m512 x = _mm512_set1_ps(en);
+                    for (int v = 0; v < nv; v++) a[r][v] = _mm512_fmadd_ps(x, w[v], a[r][v]);
+                    if (j0 == 0) t1[r] = __builtin_fmaf(en, vb[n * W + wv], t1[r]);
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                for (int v = 0; v < nv; v++) _mm512_storeu_ps(oc + (c0 + r) * W + j0 + v * 16, a[r][v]);
+                if (j0 == 0) oc[(c0 + r) * W + wv] = t1[r];
+            }
+        }
+    }
+}
+
 void probity_decode_scores(const float *q, const int64_t *row, const float *keys, const int64_t *pos,
                            float *out, int64_t KV, int64_t items, int64_t G, int64_t L, int64_t hd,
                            float scale, int64_t lead, float floor)
@@ -262,8 +332,13 @@ void probity_decode_scores(const float *q, const int64_t *row, const float *keys
         const float *qr = q + (row[j] * KV * G + h * G) * hd;
         for (int64_t i = 0; i < G * hd; i++) qs[i] = qr[i] * scale;
         float *o = out + hj * S * G * SLICE;
-        for (int64_t s = 0; s < S; s++)
-            score_slice(qs, G, keys + (hj * L + s * SLICE) * hd, hd, o + s * G * SLICE, kt);
+        const int wide = cpu_avx512();
+        for (int64_t s = 0; s < S; s++) {
+            if (wide)
+                score_slice512(qs, G, keys + (hj * L + s * SLICE) * hd, hd, o + s * G * SLICE, kt);
+            else
+                score_slice(qs, G, keys + (hj * L + s * SLICE) * hd, hd, o + s * G * SLICE, kt);
+        }
         const int64_t p = pos[j];
         for (int64_t g = 0; g < G; g++) {
             float top = -INFINITY;
@@ -296,15 +371,20 @@ void probity_decode_values(float *e, const float *vals, const int64_t *pos, floa
         const int64_t p = pos[j];
         float *eh = e + hj * S * G * SLICE;
         float *ph = part + hj * S * G * W;
-        for (int64_t s = 0; s < S; s++)
+        const int wide = cpu_avx512() && (W - 1) % 16 == 0;
+        for (int64_t s = 0; s < S; s++) {
             for (int64_t g = 0; g < G; g++) {
                 float *ec = eh + (s * G + g) * SLICE;
                 for (int64_t k = 0; k < SLICE; k++) {
                     const int64_t i = s * SLICE + k;
                     if (i >= lead) ec[k] = ec[k] * (i <= p ? 1.0f : 0.0f);
                 }
-                value_row(ec, vals + (hj * L + s * SLICE) * W, ph + (s * G + g) * W, W);
+                if (!wide)
+                    value_row(ec, vals + (hj * L + s * SLICE) * W, ph + (s * G + g) * W, W);
             }
+            if (wide)
+                value_rows512(eh + s * G * SLICE, G, vals + (hj * L + s * SLICE) * W, ph + s * G * W, W);
+        }
         /* attention.tree_sum: halves folded onto the first, a count that is not a power of two
          * treated as zero-padded to one */
         int64_t n = S, pw = 1;
