@@ -211,6 +211,10 @@ def message_cases(endpoint: str, base: dict, roles: tuple[str, ...], anthropic: 
     ]
 
 
+def constrained_logprobs(v, m):   # a boolean; true needs a grammar, which these bodies do not have
+    return OK if v is None or v is False else V if v is True else T
+
+
 def completions() -> list[Case]:
     e = "/v1/completions"
 
@@ -248,6 +252,10 @@ def completions() -> list[Case]:
         Case(e, CMPL, ("echo",), boolean(null=T), shows=lambda v, a: a["choices"][0]["text"].startswith("Hi") or not v),
         Case(e, CMPL, ("return_tokens_as_token_ids",), boolean()),
         Case(e, CMPL, ("group_score",), lambda v, m: OK if v is None or v is False else UNSUPPORTED),
+        Case(e, CMPL, ("constrained_logprobs",), constrained_logprobs),
+        Case(e, CMPL, ("structured_outputs",), obj(empty=V)),
+        Case(e, CMPL, ("response_format",), lambda v, m: (MISSING, "response_format.type") if v == {}
+             else obj()(v, m)),
         Case(e, CMPL, ("best_of",), refused),
         Case(e, CMPL, ("suffix",), refused),
     ]
@@ -301,6 +309,7 @@ def chat() -> list[Case]:
         Case(e, CHAT, ("parallel_tool_calls",), boolean()),
         Case(e, CHAT, ("structured_outputs",), obj(empty=V)),
         Case(e, CHAT, ("prompt_logprobs",), integer(0, 32), edges=int_edges(0, 32)),
+        Case(e, CHAT, ("constrained_logprobs",), constrained_logprobs),
     ]
 
 

@@ -359,3 +359,73 @@ def test_streamed_text_and_calls_equal_the_parsed_whole(fmt, text):
             sent += t.pending
         assert sent == (content if calls else text), (seed, sent)
         assert [(c.name, c.arguments) for c in found] == [(c.name, c.arguments) for c in calls]
+
+
+def test_constrained_logprobs_report_the_grammars_renormalised_distribution(server):
+    """The opt-in: the same tokens as without it (the draw does not change), every table entry
+    an allowed token, probabilities summing to 1 where the table holds every allowed token, and
+    any two tokens keeping the raw distribution's difference."""
+    import math
+    m = server.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": m, "prompt": "Answer:", "max_tokens": 8, "seed": 3, "logprobs": 32,
+            "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "(yes|no|maybe)[.!]"}}
+    raw = server.post("/v1/completions", body).json()["choices"][0]
+    con = server.post("/v1/completions", {**body, "constrained_logprobs": True}).json()["choices"][0]
+    assert con["text"] == raw["text"] and con["logprobs"]["tokens"] == raw["logprobs"]["tokens"]
+    assert con["text"].rstrip(".!") in ("yes", "no", "maybe")
+    answers = [w + e for w in ("yes", "no", "maybe") for e in ".!"]
+    said = ""
+
+    def text_of(label: str) -> str:
+        return server.post("/detokenize", {"model": m, "tokens": [int(label.split(":")[1])]}).json()["prompt"]
+    for j, (r, c) in enumerate(zip(raw["logprobs"]["top_logprobs"], con["logprobs"]["top_logprobs"])):
+        for label in c:   # only what the regex allows from here
+            assert any(a.startswith(said + text_of(label)) for a in answers), (said, text_of(label))
+        said += text_of(con["logprobs"]["tokens"][j])
+        if len(c) < 32:   # the whole allowed set is in the table
+            assert abs(sum(math.exp(v) for v in c.values()) - 1) < 1e-5
+        ids = sorted(c)
+        for a, b in zip(ids, ids[1:]):
+            if a in r and b in r:
+                assert abs((c[a] - c[b]) - (r[a] - r[b])) < 1e-5
+        tok = con["logprobs"]["tokens"][j]
+        assert c[tok] == con["logprobs"]["token_logprobs"][j] and c[tok] >= r[tok]
+    r = server.post("/v1/completions", {"model": m, "prompt": "x", "constrained_logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "constrained_logprobs"
+
+
+FORCED = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "O\\"s{lo}", "days": 2}}\n</tool_call>'
+               '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "[x]", "days": 7}}; '
+                    '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+]
+
+
+@pytest.mark.parametrize("fmt,text", FORCED)
+def test_forced_calls_stream_as_written_and_join_to_the_whole(fmt, text):
+    """A forced call's parts go out as the model writes them; however the text arrives, the
+    fragments join to the arguments find_calls gives the whole output (the model's own text)."""
+    import random
+    from probity.server.structured import ToolText, find_calls, parse_tools
+    spec = parse_tools([WEATHER, TIME], "required", None, fmt)
+    _, calls = find_calls(text, spec)
+    assert calls and all(json.loads(c.arguments) for c in calls)
+    for seed in range(20):
+        rnd = random.Random(seed)
+        t, at, names, args, ends = ToolText(spec), 0, {}, {}, []
+        while at < len(text):
+            n = rnd.randint(1, 7)
+            assert t.add(text[at:at + n]) == ""   # a forced answer has no content
+            at += n
+            for ev in t.events:
+                if ev[0] == "start":
+                    names[ev[1]] = ev[3]
+                elif ev[0] == "args":
+                    args[ev[1]] = args.get(ev[1], "") + ev[2]
+                else:
+                    ends.append(ev[1])
+            t.events.clear()
+        assert [(names[i], args[i]) for i in sorted(names)] == [(c.name, c.arguments) for c in calls]
+        assert ends == sorted(names)

@@ -13,7 +13,7 @@ import torch
 from .core import EngineCore
 from .request import Choice, Request
 from .flags import EngineFlags
-from .grammar import Grammars, allowed
+from .grammar import Grammars, allowed, renormalised
 from .loader import Loaded
 from .log import log
 from .model import UnsupportedModel
@@ -145,20 +145,25 @@ class Engine(EngineCore):
             drawn.append((seq, res))
             masks.append(mask)
         tokens = sample_many([res.logits for _, res in drawn], [seq for seq, _ in drawn], masks)
-        for (seq, res), token in zip(drawn, tokens):
-            self.advance(seq, token, res.lp)
+        for (seq, res), token, mask in zip(drawn, tokens, masks):
+            self.advance(seq, token, res.lp, mask)
         for req in requests.values():
             if req.finished and self.requests.get(req.id) is req:
                 self.done(req)
 
-    def advance(self, seq: Sequence, token: int, lp: torch.Tensor) -> None:
-        """Report the token sampled from the last position (lp: that row's log-softmax)."""
+    def advance(self, seq: Sequence, token: int, lp: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Report the token sampled from the last position (lp: that row's log-softmax; mask:
+        the tokens its grammar allowed)."""
         s = seq.request.sampling
         if s.presence_penalty or s.frequency_penalty:
             if seq.counts is None:
                 seq.counts = torch.zeros(lp.shape[-1])
             seq.counts[token] += 1
+        if s.constrained_logprobs and mask is not None:
+            lp = renormalised(lp, mask)
         table = top_tables(lp.unsqueeze(0), [token], s.logprobs)[0] if s.logprobs is not None else None
+        if table is not None and s.constrained_logprobs and mask is not None:
+            table = [(i, v) for i, v in table if v != -float("inf")]   # only what the grammar allowed
         self.accept_token(seq, token, lp[token].item(), table)
 
 

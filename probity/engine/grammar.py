@@ -37,19 +37,30 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._eos = eos_ids
+        self._error: Exception | None = None
         self._lltok: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        # llguidance's view of the vocabulary takes ~0.3 s per 50k tokens: built beside the
+        # engine's startup, so the first constrained request does not stall every other one
+        self._building = threading.Thread(target=self._build, name="probity-lltokenizer", daemon=True)
+        self._building.start()
         self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probity-masks")
         self.words = (vocab_size + 31) // 32
 
-    @property
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the vocabulary (~0.3 s to build for 49k tokens: on first use)."""
-        if self._lltok is None:
+    def _build(self) -> None:
+        try:
             self._lltok = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size,
                                                        eos_token=self._eos or None)
+        except Exception as e:  # noqa: BLE001 -- said when a grammar needs it
+            self._error = e
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary (waits for its build if a request needs it first)."""
+        self._building.join()
+        if self._lltok is None:
+            raise Refusal("INTERNAL", f"llguidance cannot read this tokenizer: {self._error}", "grammar")
         return self._lltok
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
@@ -89,3 +100,11 @@ _BITS = torch.arange(32, dtype=torch.int32)
 def allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """One row of mask words -> a bool row over the vocabulary (bit i of word w: token 32w + i)."""
     return ((words.unsqueeze(-1) >> _BITS) & 1).reshape(-1)[:vocab].bool()
+
+
+def renormalised(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A row's log-softmax restricted to the tokens its grammar allows and renormalised over
+    them (the opt-in `constrained_logprobs`): the others -inf, the allowed keep their
+    differences, and their probabilities sum to 1. One row at a time, so batch-invariant."""
+    m = lp.masked_fill(~mask, -torch.inf)
+    return m - torch.logsumexp(m, -1)

@@ -51,6 +51,7 @@ class Sampling:
     logprobs: int | None = None    # k alternatives in each table (plus the chosen token); None: no tables
     echo: bool = False             # report the prompt's positions too
     grammar: str | None = None     # llguidance grammar text every choice's tokens must follow
+    constrained_logprobs: bool = False  # report the grammar's renormalised distribution, not the raw one
 
     def wire(self) -> dict[str, Any]:
         """SUBMIT's sampling fields. Defaults are omitted, so a request that spells out a
@@ -72,6 +73,8 @@ class Sampling:
             out["echo"] = True
         if self.grammar is not None:
             out["grammar"] = self.grammar
+        if self.constrained_logprobs:
+            out["constrained_logprobs"] = True
         return out
 
     @classmethod
@@ -83,9 +86,12 @@ class Sampling:
                 stop=tuple(p.get("stop", ())), presence_penalty=float(p.get("presence_penalty", 0.0)),
                 frequency_penalty=float(p.get("frequency_penalty", 0.0)),
                 logit_bias={int(k): float(v) for k, v in p.get("logit_bias", {}).items()},
-                logprobs=p.get("logprobs"), echo=p.get("echo", False), grammar=p.get("grammar"))
+                logprobs=p.get("logprobs"), echo=p.get("echo", False), grammar=p.get("grammar"),
+                constrained_logprobs=p.get("constrained_logprobs", False))
         if s.max_tokens == 0 and not s.echo:
             raise SchemaError("SUBMIT.max_tokens", "0 is only meaningful with echo")
+        if s.constrained_logprobs and s.grammar is None:
+            raise SchemaError("SUBMIT.constrained_logprobs", "needs a grammar")
         return s
 
 
@@ -126,6 +132,7 @@ SUBMIT_SCHEMA = Obj({"op": Enum("generate", "tokenize", "detokenize", "render")}
     "logprobs": Int(0, MAX_LOGPROBS),
     "echo": Bool(),
     "grammar": Str(MAX_GRAMMAR, min_len=1),
+    "constrained_logprobs": Bool(),
     "tools": Str(MAX_GRAMMAR, min_len=2),   # JSON text: OpenAI's tools array, for messages members
     "max_prompt_tokens": Int(1),       # the members' prompt tokens together, at most (batches)
     "add_special_tokens": Bool(),      # tokenize, render

@@ -304,6 +304,27 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
         return event("content_block_start", {"type": "content_block_start", "index": 0,
                                              "content_block": {"type": "text", "text": ""}})
 
+    open_block: int | None = None   # a forced call's tool_use block that has started and not ended
+
+    def forced_blocks():
+        """A forced call's tool_use blocks as its parts are written (streaming's
+        ForcedCalls events): start, input_json_delta per fragment, stop."""
+        nonlocal open_block
+        if held is None:
+            return
+        for ev in held.events:
+            if ev[0] == "start":
+                open_block = ev[1]
+                yield event("content_block_start", {"type": "content_block_start", "index": ev[1], "content_block": {
+                    "type": "tool_use", "id": "toolu_" + ev[2].removeprefix("call_"), "name": ev[3], "input": {}}})
+            elif ev[0] == "args":
+                yield event("content_block_delta", {"type": "content_block_delta", "index": ev[1],
+                                                    "delta": {"type": "input_json_delta", "partial_json": ev[2]}})
+            else:
+                open_block = None
+                yield event("content_block_stop", {"type": "content_block_stop", "index": ev[1]})
+        held.events.clear()
+
     def delta(piece: str) -> bytes:
         head = b"" if opened else open_text()
         return head + event("content_block_delta", {"type": "content_block_delta", "index": 0,
@@ -336,6 +357,8 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
                     piece = held.add(piece)
                 if piece:
                     yield delta(piece)
+                for b in forced_blocks():
+                    yield b
             elif f.kind == "DONE":
                 gen.account(f.payload)
                 tail = text.finish()
@@ -344,6 +367,22 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
                 if tail:
                     yield delta(tail)
                 reason, seq = _stop_reason(f.payload["choices"][0])
+                if held is not None and held.forced is not None:
+                    # the calls went out as they were written; one cut by max_tokens is closed as it stands
+                    for b in forced_blocks():
+                        yield b
+                    if open_block is not None:
+                        yield event("content_block_stop", {"type": "content_block_stop", "index": open_block})
+                    if held.forced.index < 0:
+                        yield open_text()
+                        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                    elif reason == "end_turn":
+                        reason, seq = "tool_use", None
+                    yield event("message_delta", {"type": "message_delta",
+                                                  "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                                  "usage": {"output_tokens": f.payload["usage"]["completion_tokens"]}})
+                    yield event("message_stop", {"type": "message_stop"})
+                    return
                 used = None
                 if held is not None and held.held:
                     used = _tool_use(held.seen, tools, f.payload["choices"][0]["finish_reason"])

@@ -226,17 +226,26 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
         return sse({**meta, "object": "chat.completion.chunk",
                     "choices": [{"index": ci, "delta": delta, "logprobs": lp, "finish_reason": finish}], **no_usage})
 
-    def content(ci: int, pieces: list) -> bytes | None:
+    def content(ci: int, pieces: list) -> list[bytes]:
         text = "".join(x.text for x in pieces)
         t = tools[ci]
         if t is None:
-            return chunk(ci, {"content": text}, pieces) if pieces else None
+            return [chunk(ci, {"content": text}, pieces)] if pieces else []
         out = t.add(text)
         held_pieces[ci] += pieces
-        if not out:
-            return None
-        sent, held_pieces[ci] = held_pieces[ci], []
-        return chunk(ci, {"content": out}, sent)
+        chunks = []
+        if out:
+            sent, held_pieces[ci] = held_pieces[ci], []
+            chunks.append(chunk(ci, {"content": out}, sent))
+        for ev in t.events:   # a forced call's parts, as they are written
+            if ev[0] == "end":
+                continue
+            sent, held_pieces[ci] = held_pieces[ci], []
+            call = ({"index": ev[1], "id": ev[2], "type": "function", "function": {"name": ev[3], "arguments": ""}}
+                    if ev[0] == "start" else {"index": ev[1], "function": {"arguments": ev[2]}})
+            chunks.append(chunk(ci, {"tool_calls": [call]}, sent))
+        t.events.clear()
+        return chunks
 
     for ci in range(n):
         yield chunk(ci, {"role": "assistant", "content": ""})
@@ -245,8 +254,7 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
         if f.kind == "TOKEN":
             pieces = streams[p["choice"]].add(p["tokens"])
             if pieces:
-                c = content(p["choice"], pieces)
-                if c is not None:
+                for c in content(p["choice"], pieces):
                     yield c
         elif f.kind == "DONE":
             gen.account(p)
@@ -254,10 +262,16 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
                 ci, finish = c["choice"], c["finish_reason"]
                 pieces = streams[ci].flush()
                 if pieces:
-                    out = content(ci, pieces)
-                    if out is not None:
+                    for out in content(ci, pieces):
                         yield out
                 t = tools[ci]
+                if t is not None and t.forced is not None:
+                    # the calls went out as they were written; a choice cut by max_tokens keeps
+                    # what it sent and says length
+                    if finish == "stop" and t.forced.index >= 0:
+                        finish = "tool_calls"
+                    yield chunk(ci, {}, held_pieces[ci], finish)
+                    continue
                 if t is not None and (t.pending or held_pieces[ci]):
                     calls = _calls(t.seen, req.tools, finish) if t.held else None
                     if calls is not None:

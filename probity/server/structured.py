@@ -315,13 +315,34 @@ def new_call_id() -> str:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def _call(obj: Any, names: set[str], key: str) -> Call | None:
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_TAIL = re.compile(r"\s*\}\s*")
+
+
+def _raw_args(raw: str) -> str | None:
+    """The arguments object's own text in a call written name first ({"name": …, "arguments":
+    {…}}), as the model wrote it; None for any other shape."""
+    m = _HEAD.match(raw)
+    if not m:
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(raw, m.end())
+    except ValueError:
+        return None
+    return raw[m.end():end] if _TAIL.fullmatch(raw, end) else None
+
+
+def _call(obj: Any, names: set[str], key: str, raw: str | None = None) -> Call | None:
+    """A valid call, or None. Its arguments are the model's own text of the object where the
+    call is written name first (so streamed fragments join to exactly this), else the object
+    re-serialized (json.dumps, ensure_ascii=False)."""
     if type(obj) is not dict or obj.get("name") not in names:
         return None
     args = obj.get(key, obj.get("arguments" if key == "parameters" else "parameters"))
     if type(args) is not dict:
         return None
-    return Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+    text = _raw_args(raw) if raw is not None else None
+    return Call(new_call_id(), obj["name"], text if text is not None else json.dumps(args, ensure_ascii=False))
 
 
 def find_calls(text: str, spec: Tools) -> tuple[str, list[Call]]:
@@ -337,7 +358,7 @@ def find_calls(text: str, spec: Tools) -> tuple[str, list[Call]]:
         calls = []
         for m in found:
             try:
-                c = _call(json.loads(m.group(1)), spec.names, "arguments")
+                c = _call(json.loads(m.group(1)), spec.names, "arguments", m.group(1))
             except ValueError:
                 c = None
             if c is None:
@@ -361,7 +382,7 @@ def find_calls(text: str, spec: Tools) -> tuple[str, list[Call]]:
             obj, end = dec.raw_decode(body, at)
         except ValueError:
             return text, []
-        c = _call(obj, spec.names, "parameters")
+        c = _call(obj, spec.names, "parameters", body[at:end])
         if c is None:
             return text, []
         calls.append(c)
@@ -388,10 +409,17 @@ class ToolText:
         self.pending = ""      # content not yet sent: it may begin a call
         self.held = False      # a call has begun: everything from here waits for the end
         self.seen = ""         # all text so far (a llama3_json call opens the output)
+        # calls a grammar forces come in one exact form: their parts go out as they are written
+        self.forced = ForcedCalls(tools.fmt) if tools.forced and tools.fmt in ("hermes", "llama3_json") else None
+        self.events: list[tuple] = []   # forced calls' ("start", i, id, name), ("args", i, text), ("end", i)
 
     def add(self, text: str) -> str:
-        """Content that can go out now."""
+        """Content that can go out now (and, for forced calls, `events` to send)."""
         self.seen += text
+        if self.forced is not None:
+            self.held = True
+            self.events += self.forced.feed(self.seen)
+            return ""
         self.pending += text
         if self.held:
             return ""
@@ -419,3 +447,71 @@ class ToolText:
         out = self.pending[: len(self.pending) - keep].rstrip()
         self.pending = self.pending[len(out):]
         return out
+
+
+class ForcedCalls:
+    """Reads calls written in the exact form a forced tool choice's grammar gives them (hermes:
+    `<tool_call>\\n{"name": "N", "arguments": {…}}\\n</tool_call>`, "\\n"-separated; llama3_json:
+    `{"name": "N", "parameters": {…}}`, "; "-separated) as they arrive: a call's start once its
+    name is complete, its arguments' text as it comes (a JSON scanner finds where the object
+    ends), its end. Text in any other form stops it (no grammar would write it)."""
+
+    def __init__(self, fmt: str):
+        hermes = fmt == "hermes"
+        self.open = '<tool_call>\n{"name": "' if hermes else '{"name": "'
+        self.sep = "\n" if hermes else "; "
+        self.mid = '", "arguments": ' if hermes else '", "parameters": '
+        self.close = "}\n</tool_call>" if hermes else "}"
+        self.at, self.state, self.index = 0, "open", -1
+        self.depth, self.in_str, self.esc = 0, False, False
+
+    def feed(self, text: str) -> list[tuple]:
+        """Events for what `text` (all the output so far) adds."""
+        events: list[tuple] = []
+        while self.state != "broken":
+            if self.state in ("open", "close"):
+                want = ((self.sep if self.index >= 0 else "") + self.open) if self.state == "open" else self.close
+                have = text[self.at:self.at + len(want)]
+                if not want.startswith(have):
+                    self.state = "broken"
+                elif len(have) < len(want):
+                    break
+                else:
+                    self.at += len(want)
+                    if self.state == "close":
+                        events.append(("end", self.index))
+                    self.state = "name" if self.state == "open" else "open"
+            elif self.state == "name":
+                end = text.find(self.mid, self.at)
+                if end < 0:
+                    break
+                self.index += 1
+                events.append(("start", self.index, new_call_id(), text[self.at:end]))
+                self.at, self.state = end + len(self.mid), "args"
+                self.depth, self.in_str, self.esc = 0, False, False
+            else:   # args: scan the object's characters
+                i, done = self.at, False
+                while i < len(text) and not done:
+                    c = text[i]
+                    i += 1
+                    if self.in_str:
+                        if self.esc:
+                            self.esc = False
+                        elif c == "\\":
+                            self.esc = True
+                        elif c == '"':
+                            self.in_str = False
+                    elif c == '"':
+                        self.in_str = True
+                    elif c in "{[":
+                        self.depth += 1
+                    elif c in "}]":
+                        self.depth -= 1
+                        done = self.depth == 0
+                if i > self.at:
+                    events.append(("args", self.index, text[self.at:i]))
+                    self.at = i
+                if not done:
+                    break
+                self.state = "close"
+        return events

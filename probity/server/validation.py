@@ -207,6 +207,7 @@ COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "logprobs", "echo", "stream", "stream_options",
     "user", "return_tokens_as_token_ids", "group_score", "response_format", "structured_outputs",
+    "constrained_logprobs",
 }
 COMPLETION_REFUSED = {
     "best_of": "generate n choices instead and rank them client-side",
@@ -242,7 +243,9 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     max_tokens = _integer(body, "max_tokens", 16, 0, P.MAX_TOKENS)
     if max_tokens == 0 and not echo:
         raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
-    s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, grammar=_grammar(body), **fields)
+    grammar = _grammar(body)
+    s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, grammar=grammar,
+                 constrained_logprobs=_constrained(body, grammar), **fields)
     stream, include_usage = _stream(body)
     if stream and len(members) > 1:
         raise APIError("unsupported_value", "a prompt array is an all-or-nothing batch and cannot stream", "stream")
@@ -310,7 +313,7 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs", "top_logprobs",
     "stream", "stream_options", "user", "response_format", "structured_outputs", "tools", "tool_choice",
-    "parallel_tool_calls", "prompt_logprobs",
+    "parallel_tool_calls", "prompt_logprobs", "constrained_logprobs",
 }
 CHAT_REFUSED = {
     "echo": "echo is a /v1/completions feature; chat's is prompt_logprobs",
@@ -333,6 +336,16 @@ def _grammar(body: dict) -> str | None:
     if rf is not None and so is not None:
         raise APIError("invalid_value", "give response_format or structured_outputs, not both", "structured_outputs")
     return rf if rf is not None else so
+
+
+def _constrained(body: dict, grammar: str | None) -> bool:
+    """constrained_logprobs (probity's opt-in): report the grammar's renormalised distribution."""
+    v = _bool(body, "constrained_logprobs", False)
+    if v and grammar is None:
+        raise APIError("invalid_value", "'constrained_logprobs' needs a grammar: response_format json_object or "
+                       "json_schema, structured_outputs, or tool_choice required or a named function",
+                       "constrained_logprobs")
+    return v
 
 
 def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_format: str = "hermes") -> ChatRequest:
@@ -368,7 +381,7 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
         # the prompt's positions are reported with the same table width as its tokens
         top_k = max(top_k or 0, pl)
     s = Sampling(max_tokens=_integer(body, key, 16, 1, P.MAX_TOKENS), logprobs=top_k,
-                 echo=pl is not None, grammar=grammar, **fields)
+                 echo=pl is not None, grammar=grammar, constrained_logprobs=_constrained(body, grammar), **fields)
     if pl is not None and s.n > 1:
         raise APIError("invalid_value", "prompt_logprobs is given once per request: use n = 1", "prompt_logprobs")
     stream, include_usage = _stream(body)
