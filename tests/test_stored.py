@@ -31,14 +31,11 @@ def _f16_bits(rng, shape) -> np.ndarray:
     return v
 
 
-@pytest.mark.parametrize("kind", list(TYPES))
-def test_expansion_equals_gguf_py_bit_for_bit(kind):
-    """Random blocks of every type (every scale finite: normal, subnormal, zero, extreme) expand
-    to gguf-py's de-quantization exactly, whole and row by row."""
+def _random_blocks(kind: str, rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """An [n, k] weight of `kind` as raw random blocks whose scales are every kind of finite
+    float16 (normal, subnormal, zero, extreme), and gguf-py's float32 de-quantization of it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    rng = np.random.default_rng(list(TYPES).index(kind))
-    n, k = 37, 512
     qt = getattr(GGMLQuantizationType, kind)
     per, size = GGML_QUANT_SIZES[qt]
     nb = n * k // per
@@ -52,7 +49,15 @@ def test_expansion_equals_gguf_py_bit_for_bit(kind):
         for off in {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
             raw[:, off:off + 2] = _f16_bits(rng, (nb,)).view(np.uint8).reshape(nb, 2)
     raw = raw.reshape(n, -1)
-    ref = quants.dequantize(raw, qt).reshape(n, k).astype(np.float32)
+    return raw, quants.dequantize(raw, qt).reshape(n, k).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_expansion_equals_gguf_py_bit_for_bit(kind):
+    """Random blocks of every type (every scale finite: normal, subnormal, zero, extreme) expand
+    to gguf-py's de-quantization exactly, whole and row by row."""
+    n, k = 37, 512
+    raw, ref = _random_blocks(kind, np.random.default_rng(list(TYPES).index(kind)), n, k)
     w = pack(kind, raw, (n, k))
     got = w.expand().numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
@@ -169,28 +174,13 @@ def test_the_kernels_read_each_weight_as_the_reference_expands_it(kind):
     each weight back alone (1 * w + 0, exact), and it equals gguf-py's value bit for bit. This
     guards the single-rounding (FMA) forms of (s * q) + m and (s * q) - t, exact only because
     s * q is."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
-
     from probity.engine import kernels
 
     if kernels.lib() is None:
         pytest.skip(f"no kernel here: {kernels.why_not()}")
-    rng = np.random.default_rng(11 + list(TYPES).index(kind))
     n, k = 48, 256
-    qt = getattr(GGMLQuantizationType, kind)
-    per, size = GGML_QUANT_SIZES[qt]
-    nb = n * k // per
-    if kind == "F16":
-        raw = _f16_bits(rng, (n * k,)).view(np.uint8)
-    elif kind == "BF16":
-        raw = (rng.integers(0, 0x7F80, size=n * k, dtype=np.uint16)
-               | (rng.integers(0, 2, size=n * k, dtype=np.uint16) << 15)).view(np.uint8)
-    else:
-        raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
-        for off in {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(kind, (0,)):
-            raw[:, off:off + 2] = _f16_bits(rng, (nb,)).view(np.uint8).reshape(nb, 2)
-    raw = raw.reshape(n, -1)
-    ref = torch.from_numpy(quants.dequantize(raw, qt).reshape(n, k).astype(np.float32))
+    raw, ref = _random_blocks(kind, np.random.default_rng(11 + list(TYPES).index(kind)), n, k)
+    ref = torch.from_numpy(ref)
     w = pack(kind, raw, (n, k))
     eye = torch.eye(k)
     for rows in (1, 3, 6, 32):   # fused with 4, 2 and 1 panels side by side; the wide kernel

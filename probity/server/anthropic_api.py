@@ -378,28 +378,25 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
                         yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
                     elif reason == "end_turn":
                         reason, seq = "tool_use", None
-                    yield event("message_delta", {"type": "message_delta",
-                                                  "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                  "usage": {"output_tokens": f.payload["usage"]["completion_tokens"]}})
-                    yield event("message_stop", {"type": "message_stop"})
-                    return
-                used = None
-                if held is not None and held.held:
-                    used = _tool_use(held.seen, tools, f.payload["choices"][0]["finish_reason"])
-                if held is not None and used is None and held.pending:
-                    yield delta(held.pending)
-                if not opened and not used:
-                    yield open_text()
-                if opened:
-                    yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
-                for i, block in enumerate(used[1] if used else [], start=int(opened)):
-                    yield event("content_block_start", {"type": "content_block_start", "index": i,
-                                                        "content_block": {**block, "input": {}}})
-                    yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
-                    yield event("content_block_stop", {"type": "content_block_stop", "index": i})
-                if used:
-                    reason, seq = "tool_use", None
+                else:
+                    used = None
+                    if held is not None and held.held:
+                        used = _tool_use(held.seen, tools, f.payload["choices"][0]["finish_reason"])
+                    if held is not None and used is None and held.pending:
+                        yield delta(held.pending)
+                    if not opened and not used:
+                        yield open_text()
+                    if opened:
+                        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+                    for i, block in enumerate(used[1] if used else [], start=int(opened)):
+                        yield event("content_block_start", {"type": "content_block_start", "index": i,
+                                                            "content_block": {**block, "input": {}}})
+                        yield event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+                        yield event("content_block_stop", {"type": "content_block_stop", "index": i})
+                    if used:
+                        reason, seq = "tool_use", None
                 yield event("message_delta", {"type": "message_delta",
                                               "delta": {"stop_reason": reason, "stop_sequence": seq},
                                               "usage": {"output_tokens": f.payload["usage"]["completion_tokens"]}})
