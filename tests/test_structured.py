@@ -317,6 +317,9 @@ def test_chat_prompt_logprobs_equal_completion_echo(server):
         tops = {int(k.split(":")[1]): v for k, v in echo["top_logprobs"][j].items()}
         for tid, v in tops.items():
             assert entry[str(tid)]["logprob"] == v
+        best = sorted((t for t in tops if t != ids[j] or len(tops) == 2), key=lambda t: (-tops[t], t))[:2]
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2][:len(best)]
+        assert entry[str(ids[j])]["rank"] == (best.index(ids[j]) + 1 if ids[j] in best else None)
     mask = chat["prompt_template_mask"]
     content_ids = [t for t, is_template in zip(ids, mask) if not is_template]
     said = server.post("/detokenize", {"model": m, "tokens": content_ids}).json()["prompt"]

@@ -154,7 +154,7 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     fins = {c["choice"]: c for c in out.done["choices"]}
     extra = {"usage": usage(out.done)}
     if req.prompt_logprobs is not None:
-        extra.update(prompt_logprobs(out.echo.get(0, []), req.prompt_logprobs))
+        extra.update(prompt_logprobs(out.echo.get(0, []), req.prompt_logprobs, s.logprobs))
 
     def choice(ci: int) -> dict:
         pieces = build_pieces(out.tokens.pop((0, ci), []))
@@ -183,10 +183,12 @@ def _calls(text: str, tools: Tools | None, finish: str) -> tuple[str, list] | No
     return (content, calls) if calls else None
 
 
-def prompt_logprobs(echo: list[dict], k: int) -> dict:
+def prompt_logprobs(echo: list[dict], k: int, width: int) -> dict:
     """vLLM's prompt_logprobs shape (null for position 0, then {id: {logprob, rank,
     decoded_token}} holding the prompt's token and the top k), with the prompt's token ids and
-    which of them the chat template wrote (docs/api.md)."""
+    which of them the chat template wrote (docs/api.md). `width`: the engine's table width
+    (its top `width`, plus the prompt's token when that is not among them: then its rank is
+    not known, null)."""
     pieces = build_pieces([], echo)
     out = []
     for p in pieces:
@@ -194,9 +196,10 @@ def prompt_logprobs(echo: list[dict], k: int) -> dict:
             out.append(None)
             continue
         table = p.top or []
-        ranks = {tid: r + 1 for r, (tid, _, _) in enumerate(table)}
+        top = table if len(table) <= width else [t for t in table if t[0] != p.id]
+        ranks = {tid: r + 1 for r, (tid, _, _) in enumerate(top)}
         d = {str(p.id): {"logprob": p.logprob, "rank": ranks.get(p.id), "decoded_token": own_label(p.token)}}
-        for tid, h, lp in table[:k]:
+        for tid, h, lp in top[:k]:
             d.setdefault(str(tid), {"logprob": lp, "rank": ranks[tid], "decoded_token": own_label(bytes.fromhex(h))})
         out.append(d)
     return {"prompt_logprobs": out, "prompt_token_ids": [p.id for p in pieces],
