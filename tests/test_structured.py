@@ -432,3 +432,15 @@ def test_forced_calls_stream_as_written_and_join_to_the_whole(fmt, text):
             t.events.clear()
         assert [(names[i], args[i]) for i in sorted(names)] == [(c.name, c.arguments) for c in calls]
         assert ends == sorted(names)
+
+
+def test_the_server_process_stays_free_of_torch():
+    """Grammars are checked in the server with llguidance alone: importing the server must not
+    pull in torch or the engine (the server is ~50 MiB resident; torch alone is hundreds)."""
+    import subprocess
+    import sys
+    code = ("import sys, probity.server.app; "
+            "print(sorted(m for m in ('torch', 'probity.engine.grammar', 'probity.engine.engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -19,17 +19,11 @@ import llguidance
 import llguidance.hf
 import torch
 
+from ..protocol import grammar_limits
 from .work import Refusal
 
 CACHE_GRAMMARS = 64           # compiled grammars kept (least recently used dropped first)
 DEAD_END = "grammar_dead_end"  # the finish of a choice whose grammar allows no token at all
-
-
-def limits() -> llguidance.LLParserLimits:
-    """The parser's bounds for one request: a schema that needs more is refused by name
-    (at validation, with these same limits), a step that needs more ends its choice."""
-    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000,
-                                     step_max_items=50_000, verbose_errors=False)
 
 
 class Grammars:
@@ -67,7 +61,7 @@ class Grammars:
         """A fresh matcher for `grammar`, or Refusal BAD_REQUEST naming `grammar`."""
         m = self._cache.get(grammar)
         if m is None:
-            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits())
+            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=grammar_limits())
             if m.is_error():
                 raise Refusal("BAD_REQUEST", f"the grammar does not compile: {m.get_error()}", "grammar")
             self._cache[grammar] = m

@@ -98,6 +98,16 @@ class Sampling:
 _DEFAULTS = {k: f.default for k, f in Sampling.__dataclass_fields__.items()}
 
 
+def grammar_limits():
+    """llguidance's parser bounds for one request's grammar, the same on both sides: the server
+    refuses by name a grammar that needs more (before any engine work), so what it lets through
+    compiles in the engine; a step that needs more ends its choice. (llguidance is imported
+    here only: the contract itself stays free of it.)"""
+    import llguidance
+    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000,
+                                     step_max_items=50_000, verbose_errors=False)
+
+
 def choice_seed(seed: int, choice: int) -> int:
     """The seed of choice `choice` of n: choice 0 uses the seed itself, so n=1 and the first of n
     choices agree; the others are spread by the golden-ratio constant. In [0, 2^64)."""

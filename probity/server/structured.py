@@ -14,7 +14,7 @@ from typing import Any
 
 import llguidance
 
-from ..engine.grammar import limits
+from ..protocol import grammar_limits
 from .errors import APIError
 
 # JSON is written as Python's json.dumps writes it ({"a": 1, "b": [2, 3]}): no free whitespace,
@@ -30,7 +30,7 @@ def check(grammar: str, param: str) -> str:
     err = _checked.get(grammar)
     if err is None:
         try:
-            is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
+            is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=grammar_limits())
         except Exception as e:  # noqa: BLE001 -- whatever the library says, it is the request's grammar
             is_error, msgs = True, [str(e)]
         err = "; ".join(msgs)[:2000] if is_error else ""
