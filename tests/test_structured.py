@@ -347,7 +347,7 @@ def test_streamed_text_and_calls_equal_the_parsed_whole(fmt, text):
     """However the text arrives, what streaming sends as content plus the calls it finds equal
     find_calls on the whole output (what a non-streamed answer returns)."""
     import random
-    from probity.server.structured import ToolText, find_calls, parse_tools
+    from probity.server.tools import ToolText, find_calls, parse_tools
     spec = parse_tools([WEATHER, TIME], "auto", None, fmt)
     content, calls = find_calls(text, spec)
     for seed in range(20):
@@ -411,7 +411,7 @@ def test_forced_calls_stream_as_written_and_join_to_the_whole(fmt, text):
     """A forced call's parts go out as the model writes them; however the text arrives, the
     fragments join to the arguments find_calls gives the whole output (the model's own text)."""
     import random
-    from probity.server.structured import ToolText, find_calls, parse_tools
+    from probity.server.tools import ToolText, find_calls, parse_tools
     spec = parse_tools([WEATHER, TIME], "required", None, fmt)
     _, calls = find_calls(text, spec)
     assert calls and all(json.loads(c.arguments) for c in calls)

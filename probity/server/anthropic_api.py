@@ -17,7 +17,8 @@ from .pieces import TextBuilder, build_pieces
 from .capabilities import check_capabilities
 from .errors import APIError
 from .generation import Generation, Source, run_op
-from .structured import Tools, ToolText, check_keys, find_calls, parse_tools
+from .structured import check_keys
+from .tools import Tools, ToolText, find_calls, parse_tools
 from .validation import _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages, text_content
 
 if TYPE_CHECKING:

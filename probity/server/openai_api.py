@@ -15,7 +15,7 @@ from .pieces import TextBuilder, build_pieces, chat_logprobs, completion_logprob
 from .capabilities import check_capabilities
 from .generation import Generation, Source
 from .responses import json_answer
-from .structured import Tools, ToolText, find_calls
+from .tools import Tools, ToolText, find_calls
 from .validation import ChatRequest, CompletionRequest, parse_chat, parse_completion
 
 if TYPE_CHECKING:

@@ -8,7 +8,8 @@ from typing import Any
 from .. import protocol as P
 from ..protocol import Sampling
 from .errors import APIError
-from .structured import Tools, check_keys, parse_tools, response_format, structured_outputs
+from .structured import check_keys, response_format, structured_outputs
+from .tools import Tools, parse_tools
 
 
 @dataclass
