@@ -239,14 +239,24 @@ def test_bad_requests_are_named_before_any_engine_work(server, body, param):
     assert server.get("/metrics").text.count('probity_num_requests_running{') <= 1
 
 
-def test_a_grammar_with_no_way_on_ends_by_name(client):
-    """A schema that only refers to itself admits no value at all: the choice ends at once with
-    finish_reason grammar_dead_end (no hang, no crash), and the engine serves on."""
+def test_a_grammar_that_cannot_begin_is_refused_and_one_that_runs_dry_ends_by_name(client, server):
+    """A schema that only refers to itself admits no value: refused before ACCEPT, naming the
+    schema (nothing runs, the engine serves on). A grammar whose only way on has no end
+    ("a", then "b" forever with no base) accepts its first token and then cannot go on: the
+    choice ends with finish_reason grammar_dead_end, never a hang."""
+    import openai
     m = model_id(client)
-    r = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}], max_tokens=20,
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}], max_tokens=20,
                                        response_format={"type": "json_schema", "json_schema": {
                                            "name": "loop", "schema": {"$ref": "#"}}})
-    assert r.choices[0].finish_reason == "grammar_dead_end" and r.choices[0].message.content == ""
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert "admits no output" in e.value.body["message"]
+    r = client.completions.create(model=m, prompt="x", max_tokens=20,
+                                  extra_body={"structured_outputs": {"grammar": 'start: "a" x\nx: "b" x'}})
+    assert r.choices[0].finish_reason == "grammar_dead_end" and r.choices[0].text.startswith("a")
+    h = server.get("/health").json()
+    assert h["status"] == "ok" and h["engine"]["in_flight"] == 0
     assert client.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=2).choices[0].finish_reason == "length"
 

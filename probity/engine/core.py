@@ -208,6 +208,8 @@ class EngineCore:
                 raise Refusal("BAD_REQUEST", "this engine does not apply grammars", "grammar")
             for q in req.choices:
                 q.matcher = self.grammars.matcher(sampling.grammar)
+            if req.choices:
+                self.grammars.check_start(req.choices[0].matcher)
         self.admit(req)
         self.requests[rid] = req
         self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": c}

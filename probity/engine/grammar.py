@@ -71,6 +71,15 @@ class Grammars:
             self._cache.move_to_end(grammar)
         return m.deep_copy()
 
+    def check_start(self, m: llguidance.LLMatcher) -> None:
+        """Refusal BAD_REQUEST naming `grammar` if the grammar cannot even begin: its first mask
+        allows nothing, or computing it runs past the parser's limits (a schema that only
+        refers to itself does) -- so such a request is refused before ACCEPT, not ended later."""
+        first = m.deep_copy()
+        if first.is_error() or not any(first.compute_bitmask()) or first.is_error():
+            why = first.get_error() or "no token can begin it"
+            raise Refusal("BAD_REQUEST", f"the grammar admits no output: {why}"[:2000], "grammar")
+
     # ------------------------------------------------------------ masks
     def start_masks(self, matchers: list[llguidance.LLMatcher]) -> concurrent.futures.Future | None:
         """Begin computing the masks of these matchers (one int32 bit-row each) in the

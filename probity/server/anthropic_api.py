@@ -266,7 +266,7 @@ async def messages(svc: Service, request: Request, body: dict):
     m = info["model"]
     req = parse_messages_request(body, m["id"], m["vocab_size"], info["capabilities"].get("tool_format", "hermes"))
     check_capabilities(info, chat=True, grammar=req.sampling.grammar is not None)
-    gen = Generation(svc, request, _payload(req), Source("messages"))
+    gen = Generation(svc, request, _payload(req), Source("messages", grammar="tool_choice"))
     await gen.start()
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:

@@ -43,8 +43,12 @@ class Source:
     `members[i]` (or a detokenize's `ids`) names the client's own field."""
     param: str                 # "prompt", "messages", "tokens"
     is_array: bool = False     # a prompt array: a member's refusal names prompt[i]
+    grammar: str | None = None  # the request field its grammar came from (response_format..., tool_choice)
 
     def attribute(self, err: APIError) -> APIError:
+        if err.param == "grammar" and self.grammar:
+            err.param = self.grammar
+            return err
         if err.param and (err.param.startswith("members") or err.param in ("max_prompt_tokens", "ids")):
             err.param = (f"{self.param}[{err.member}]" if self.is_array and err.member is not None
                          else self.param)

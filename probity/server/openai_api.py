@@ -41,7 +41,8 @@ async def completions(svc: Service, request: Request, body: dict):
     check_capabilities(info, logprobs=s.logprobs, echo=s.echo, ids=any("ids" in x for x in req.members),
                        seed=s.seed is not None, members=len(req.members), choices=s.n, grammar=s.grammar is not None)
     budget = svc.limits.batch_prompt_tokens if len(req.members) > 1 else None
-    gen = Generation(svc, request, P.generate_payload(req.members, s, budget), Source("prompt", req.is_array),
+    gen = Generation(svc, request, P.generate_payload(req.members, s, budget),
+                     Source("prompt", req.is_array, req.grammar_param),
                      members=len(req.members), choices=s.n, echo=s.echo)
     await gen.start()
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": m["id"],
@@ -144,7 +145,8 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     k = req.top_logprobs
     check_capabilities(info, logprobs=s.logprobs, seed=s.seed is not None, chat=True, choices=s.n,
                        grammar=s.grammar is not None, echo=s.echo)
-    gen = Generation(svc, request, chat_payload(req), Source("messages"), choices=s.n, echo=s.echo)
+    gen = Generation(svc, request, chat_payload(req), Source("messages", grammar=req.grammar_param), choices=s.n,
+                     echo=s.echo)
     await gen.start()
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": m["id"],
             "system_fingerprint": m["fingerprint"]}

@@ -31,6 +31,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     token_ids_labels: bool
+    grammar_param: str | None = None   # the field its grammar came from (grammar_field)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ChatRequest:
     tools: Tools | None = None
     prompt_logprobs: int | None = None
     top_logprobs: int | None = None  # the completion's own tables (logprobs: true), None: none
+    grammar_param: str | None = None   # the field its grammar came from (grammar_field)
 
 
 # ------------------------------------------------------------------ field helpers
@@ -266,7 +268,7 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
         raise _type("user", "a string")
     return CompletionRequest(
         model=model, members=members, is_array=is_array, sampling=s, stream=stream, include_usage=include_usage,
-        token_ids_labels=_bool(body, "return_tokens_as_token_ids", False))
+        token_ids_labels=_bool(body, "return_tokens_as_token_ids", False), grammar_param=grammar_field(body))
 
 
 def _token_ids(v: list, param: str, vocab_size: int) -> list[int]:
@@ -339,6 +341,21 @@ def _grammar(body: dict) -> str | None:
     return rf if rf is not None else so
 
 
+def grammar_field(body: dict, tools: Tools | None = None) -> str | None:
+    """The request field a grammar came from: an engine refusal of it (a grammar that admits no
+    output) names this field."""
+    if tools is not None and tools.forced:
+        return "tool_choice"
+    rf = body.get("response_format")
+    if type(rf) is dict and rf.get("type") in ("json_object", "json_schema"):
+        return "response_format.json_schema.schema" if rf["type"] == "json_schema" else "response_format"
+    so = body.get("structured_outputs")
+    if type(so) is dict:
+        given = [k for k in so if so[k] is not None and so[k] is not False]
+        return f"structured_outputs.{given[0]}" if given else "structured_outputs"
+    return None
+
+
 def _constrained(body: dict, grammar: str | None) -> bool:
     """constrained_logprobs (probity's opt-in): report the grammar's renormalised distribution."""
     v = _bool(body, "constrained_logprobs", False)
@@ -392,7 +409,8 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
     if user is not None and type(user) is not str:
         raise _type("user", "a string")
     return ChatRequest(model=model, messages=messages, sampling=s, stream=stream, include_usage=include_usage,
-                       tools=tools, prompt_logprobs=pl, top_logprobs=(top or 0) if logprobs else None)
+                       tools=tools, prompt_logprobs=pl, top_logprobs=(top or 0) if logprobs else None,
+                       grammar_param=grammar_field(body, tools))
 
 
 def _tool_calls(v: Any, where: str) -> list[dict]:
