@@ -114,11 +114,15 @@ def choice_seed(seed: int, choice: int) -> int:
     return (seed + choice * 0x9E3779B97F4A7C15) % 2**64
 
 
-def generate_payload(members: list[dict], sampling: Sampling, max_prompt_tokens: int | None = None) -> dict:
-    """A generate SUBMIT: members are {"text"}, {"ids"} or {"messages"}."""
+def generate_payload(members: list[dict], sampling: Sampling, max_prompt_tokens: int | None = None,
+                     tools: str | None = None) -> dict:
+    """A generate SUBMIT: members are {"text"}, {"ids"} or {"messages"}; `tools`: the JSON text
+    of the tools a messages member's template renders."""
     p = {"op": "generate", "members": members, **sampling.wire()}
     if max_prompt_tokens is not None:
         p["max_prompt_tokens"] = max_prompt_tokens
+    if tools is not None:
+        p["tools"] = tools
     return p
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from .capabilities import check_capabilities
 from .errors import APIError
 from .generation import Generation, Source, run_op
 from .structured import check_keys
-from .tools import Tools, ToolText, find_calls, parse_tools
+from .tools import Tools, ToolText, calls_of, in_use, parse_tools
 from .validation import _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages, text_content
 
 if TYPE_CHECKING:
@@ -73,12 +74,8 @@ def _anthropic_tools(body: dict, fmt: str) -> Tools | None:
             fn["description"] = t["description"]
         openai.append({"type": "function", "function": fn})
     parallel, oc = None, None
-    if choice is not None:
-        if type(choice) is not dict:
-            raise _type("tool_choice", "an object")
-        for k in choice:
-            if k not in ("type", "name", "disable_parallel_tool_use"):
-                raise APIError("unknown_parameter", f"unknown parameter 'tool_choice.{k}'", f"tool_choice.{k}")
+    if choice is not None:   # (an object: checked first)
+        check_keys(choice, ("type", "name", "disable_parallel_tool_use"), "tool_choice")
         kind = choice.get("type")
         mapping = {"auto": "auto", "any": "required", "none": "none"}
         if kind == "tool":
@@ -118,9 +115,7 @@ def _content_blocks(c, where: str, role: str) -> tuple[str, list[dict], list[dic
         if t == "text":
             texts.append(text_content([b], where, ("cache_control", "citations")))
         elif t == "tool_use" and role == "assistant":
-            for k in b:
-                if k not in ("type", "id", "name", "input", "cache_control"):
-                    raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+            check_keys(b, ("type", "id", "name", "input", "cache_control"), w)
             for k in ("id", "name"):
                 if type(b.get(k)) is not str or not b[k]:
                     raise _type(f"{w}.{k}", "a non-empty string")
@@ -129,9 +124,7 @@ def _content_blocks(c, where: str, role: str) -> tuple[str, list[dict], list[dic
             calls.append({"id": b["id"][:256], "name": b["name"][:256],
                           "arguments": json.dumps(b["input"], ensure_ascii=False)})
         elif t == "tool_result" and role == "user":
-            for k in b:
-                if k not in ("type", "tool_use_id", "content", "is_error", "cache_control"):
-                    raise APIError("unknown_parameter", f"unknown parameter '{w}.{k}'", f"{w}.{k}")
+            check_keys(b, ("type", "tool_use_id", "content", "is_error", "cache_control"), w)
             if type(b.get("tool_use_id")) is not str:
                 raise _type(f"{w}.tool_use_id", "a string")
             if b.get("is_error") is not None and type(b["is_error"]) is not bool:
@@ -214,7 +207,7 @@ def parse_messages_request(body: dict, served: str, vocab_size: int, fmt: str = 
                  top_k=_integer(body, "top_k", 0, 0, vocab_size))
     tools = _anthropic_tools(body, fmt)
     if tools is not None and tools.forced:
-        s = Sampling(**{**s.__dict__, "grammar": tools.grammar()})
+        s = dataclasses.replace(s, grammar=tools.grammar())
     stream = _bool(body, "stream", False)
     meta = body.get("metadata")
     if meta is not None:
@@ -244,19 +237,12 @@ def _stop_reason(c: dict) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _payload(req: MessagesRequest) -> dict:
-    p = P.generate_payload([{"messages": req.messages}], req.sampling)
-    if req.tools is not None and req.tools.choice != "none":
-        p["tools"] = req.tools.wire()
-    return p
-
-
 def _tool_use(text: str, tools: Tools | None, finish: str) -> tuple[str, list[dict]] | None:
-    if tools is None or tools.choice == "none" or finish != "stop":
+    """calls_of's content and calls, the calls as Anthropic's tool_use blocks."""
+    found = calls_of(text, tools, finish)
+    if found is None:
         return None
-    content, calls = find_calls(text, tools)
-    if not calls:
-        return None
+    content, calls = found
     return content, [{"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
                       "input": json.loads(c.arguments)} for c in calls]
 
@@ -266,7 +252,9 @@ async def messages(svc: Service, request: Request, body: dict):
     m = info["model"]
     req = parse_messages_request(body, m["id"], m["vocab_size"], info["capabilities"].get("tool_format", "hermes"))
     check_capabilities(info, chat=True, grammar=req.sampling.grammar is not None)
-    gen = Generation(svc, request, _payload(req), Source("messages", grammar="tool_choice"))
+    payload = P.generate_payload([{"messages": req.messages}], req.sampling,
+                                 tools=req.tools.wire() if in_use(req.tools) else None)
+    gen = Generation(svc, request, payload, Source("messages", grammar="tool_choice"))
     await gen.start()
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
@@ -295,7 +283,7 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
     prompt_tokens = gen.accept["members"][0]["prompt_tokens"]
     cached = gen.accept["members"][0]["cached_tokens"]
     text = TextBuilder()
-    held = ToolText(tools) if tools is not None and tools.choice != "none" else None
+    held = ToolText(tools) if in_use(tools) else None
 
     opened = False   # with tools, the text block opens at the first text: an answer that is only calls has none
 
@@ -416,7 +404,7 @@ async def count_tokens(svc: Service, request: Request, body: dict):
     tools = _anthropic_tools(body, info["capabilities"].get("tool_format", "hermes"))
     op = {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}], "add_special_tokens": False,
           "count_only": True}
-    if tools is not None and tools.choice != "none":
+    if in_use(tools):
         op["tools"] = tools.wire()
     # only the count comes back: no ids cross the pipe, so no text is too long to count
     result = await run_op(svc, request, op, Source("messages"))

@@ -15,7 +15,7 @@ from .pieces import TextBuilder, build_pieces, chat_logprobs, completion_logprob
 from .capabilities import check_capabilities
 from .generation import Generation, Source
 from .responses import json_answer
-from .tools import Tools, ToolText, find_calls
+from .tools import ToolText, calls_of, in_use
 from .validation import ChatRequest, CompletionRequest, parse_chat, parse_completion
 
 if TYPE_CHECKING:
@@ -130,13 +130,6 @@ async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict)
             yield b"data: [DONE]\n\n"
 
 
-def chat_payload(req: ChatRequest) -> dict:
-    p = P.generate_payload([{"messages": req.messages}], req.sampling)
-    if req.tools is not None and req.tools.choice != "none":
-        p["tools"] = req.tools.wire()
-    return p
-
-
 async def chat_completions(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     m = info["model"]
@@ -145,8 +138,9 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     k = req.top_logprobs
     check_capabilities(info, logprobs=s.logprobs, seed=s.seed is not None, chat=True, choices=s.n,
                        grammar=s.grammar is not None, echo=s.echo)
-    gen = Generation(svc, request, chat_payload(req), Source("messages", grammar=req.grammar_param), choices=s.n,
-                     echo=s.echo)
+    payload = P.generate_payload([{"messages": req.messages}], s,
+                                 tools=req.tools.wire() if in_use(req.tools) else None)
+    gen = Generation(svc, request, payload, Source("messages", grammar=req.grammar_param), choices=s.n, echo=s.echo)
     await gen.start()
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": m["id"],
             "system_fingerprint": m["fingerprint"]}
@@ -164,7 +158,7 @@ async def chat_completions(svc: Service, request: Request, body: dict):
         text = "".join(p.text for p in pieces)
         message = {"role": "assistant", "content": text, "refusal": None}
         finish = fins[ci]["finish_reason"]
-        calls = _calls(text, req.tools, finish)
+        calls = calls_of(text, req.tools, finish)
         if calls is not None:
             content, found = calls
             message.update(content=content or None, tool_calls=[
@@ -174,15 +168,6 @@ async def chat_completions(svc: Service, request: Request, body: dict):
 
     items = (functools.partial(choice, ci) for ci in range(s.n))
     return json_answer({**meta, "object": "chat.completion"}, "choices", items, extra, gen.headers, out.size)
-
-
-def _calls(text: str, tools: Tools | None, finish: str) -> tuple[str, list] | None:
-    """The tool calls of a finished choice, or None: only a choice that ended by itself (not
-    cut by max_tokens) and whose text parses as calls of the given tools has them."""
-    if tools is None or tools.choice == "none" or finish != "stop":
-        return None
-    content, calls = find_calls(text, tools)
-    return (content, calls) if calls else None
 
 
 def prompt_logprobs(echo: list[dict], k: int, width: int) -> dict:
@@ -219,8 +204,7 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
     n = req.sampling.n
     k = req.top_logprobs
     streams = [_ChoiceStream() for _ in range(n)]
-    tools = [ToolText(req.tools) if req.tools is not None and req.tools.choice != "none" else None
-             for _ in range(n)]
+    tools = [ToolText(req.tools) if in_use(req.tools) else None for _ in range(n)]
     held_pieces: list[list] = [[] for _ in range(n)]
     no_usage = {"usage": None} if req.include_usage else {}
 
@@ -278,7 +262,7 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
                     yield chunk(ci, {}, held_pieces[ci], finish)
                     continue
                 if t is not None and (t.pending or held_pieces[ci]):
-                    calls = _calls(t.seen, req.tools, finish) if t.held else None
+                    calls = calls_of(t.seen, req.tools, finish) if t.held else None
                     if calls is not None:
                         finish = "tool_calls"
                         for i, call in enumerate(calls[1]):

@@ -100,8 +100,17 @@ def _str(v: Any, param: str, allow_empty: bool = False) -> str:
     return v
 
 
-def response_format(rf: Any) -> str | None:
-    """OpenAI's response_format: text (nothing), json_object or json_schema -> grammar text."""
+def check_name(v: Any, param: str) -> str:
+    """A name OpenAI allows (a json_schema's, a function's): 1-64 of a-z, A-Z, 0-9, _ and -."""
+    name = _str(v, param)
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise APIError("invalid_value", f"'{param}' must be 1-64 of a-z, A-Z, 0-9, _ and -", param)
+    return name
+
+
+def response_format(rf: Any) -> tuple[str, str] | None:
+    """OpenAI's response_format: text (nothing), json_object or json_schema -> (grammar text,
+    the field it came from)."""
     if rf is None:
         return None
     rf = _obj(rf, "response_format")
@@ -113,15 +122,12 @@ def response_format(rf: Any) -> str | None:
         return None
     if t == "json_object":
         check_keys(rf, ("type",), "response_format")
-        return json_grammar({"type": "object"}, "response_format")
+        return json_grammar({"type": "object"}, "response_format"), "response_format"
     if t == "json_schema":
         check_keys(rf, ("type", "json_schema"), "response_format")
         js = _obj(rf.get("json_schema"), "response_format.json_schema")
         check_keys(js, ("name", "description", "schema", "strict"), "response_format.json_schema")
-        name = _str(js.get("name"), "response_format.json_schema.name")
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-            raise APIError("invalid_value", "'response_format.json_schema.name' must be 1-64 of a-z, A-Z, 0-9, _ and -",
-                           "response_format.json_schema.name")
+        check_name(js.get("name"), "response_format.json_schema.name")
         if js.get("description") is not None:
             _str(js["description"], "response_format.json_schema.description", allow_empty=True)
         strict = js.get("strict")
@@ -134,16 +140,17 @@ def response_format(rf: Any) -> str | None:
             if problem:
                 raise APIError("invalid_schema", f"'response_format.json_schema.schema' {problem}",
                                "response_format.json_schema.schema")
-        return json_grammar(schema, "response_format.json_schema.schema")
+        param = "response_format.json_schema.schema"
+        return json_grammar(schema, param), param
     if type(t) is not str:
         raise APIError("invalid_type", "'response_format.type' must be a string", "response_format.type")
     raise APIError("unsupported_value", f"response_format type {t!r} is not supported; text, json_object and "
                    "json_schema are", "response_format.type")
 
 
-def structured_outputs(so: Any) -> str | None:
+def structured_outputs(so: Any) -> tuple[str, str] | None:
     """vLLM's `structured_outputs` extension: exactly one of json, regex, choice, grammar,
-    json_object."""
+    json_object -> (grammar text, the field it came from)."""
     if so is None:
         return None
     so = _obj(so, "structured_outputs")
@@ -152,8 +159,11 @@ def structured_outputs(so: Any) -> str | None:
     if len(given) != 1:
         raise APIError("invalid_value", "'structured_outputs' takes exactly one of json, regex, choice, grammar, "
                        "json_object", "structured_outputs")
-    k = given[0]
-    v, param = so[k], f"structured_outputs.{k}"
+    param = f"structured_outputs.{given[0]}"
+    return _structured(given[0], so[given[0]], param), param
+
+
+def _structured(k: str, v: Any, param: str) -> str:
     if k == "json":
         if type(v) is str:
             try:

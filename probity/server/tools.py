@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 
 from .errors import APIError
-from .structured import JSON_STYLE, _obj, _str, _strict_problems, check, check_keys, json_grammar
+from .structured import JSON_STYLE, _obj, _str, _strict_problems, check, check_keys, check_name, json_grammar
 
 MAX_TOOLS = 128
 
@@ -25,7 +25,10 @@ class Tools:
     named: str | None = None
     parallel: bool = True
     fmt: str = "hermes"
-    names: set[str] = field(default_factory=set)
+
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
 
     @property
     def forced(self) -> bool:
@@ -83,10 +86,7 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools 
             raise APIError("unsupported_value", f"'{w}.type' must be \"function\"", f"{w}.type")
         f = _obj(t.get("function"), f"{w}.function")
         check_keys(f, ("name", "description", "parameters", "strict"), f"{w}.function")
-        name = _str(f.get("name"), f"{w}.function.name")
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-            raise APIError("invalid_value", f"'{w}.function.name' must be 1-64 of a-z, A-Z, 0-9, _ and -",
-                           f"{w}.function.name")
+        name = check_name(f.get("name"), f"{w}.function.name")
         if name in names:
             raise APIError("invalid_value", f"tool name {name!r} is given twice", f"{w}.function.name")
         names.add(name)
@@ -105,10 +105,10 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools 
         else:
             fn["parameters"] = {"type": "object", "properties": {}}
         out.append({"type": "function", "function": fn})
-    spec = Tools(out, names=names, fmt=fmt)
+    spec = Tools(out, fmt=fmt)
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         spec.choice = tool_choice or "auto"
-    elif type(tool_choice) is dict:
+    elif type(tool_choice) is dict:   # (its type was checked first: a string or an object)
         check_keys(tool_choice, ("type", "function"), "tool_choice")
         if tool_choice.get("type") != "function":
             raise APIError("unsupported_value", "'tool_choice.type' must be \"function\"", "tool_choice.type")
@@ -119,16 +119,27 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools 
             raise APIError("invalid_value", f"tool_choice names {name!r}, which is not among the tools",
                            "tool_choice.function.name")
         spec.choice, spec.named = "function", name
-    elif type(tool_choice) is str:
+    else:
         raise APIError("invalid_value", "'tool_choice' must be none, auto, required or a named function",
                        "tool_choice")
-    else:
-        raise APIError("invalid_type", "'tool_choice' must be a string or an object", "tool_choice")
     if parallel is not None:
-        if type(parallel) is not bool:
-            raise APIError("invalid_type", "'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
         spec.parallel = parallel
     return spec
+
+
+def in_use(tools: Tools | None) -> bool:
+    """Whether a request's tools go to the template and its output is read for calls (not
+    tool_choice none)."""
+    return tools is not None and tools.choice != "none"
+
+
+def calls_of(text: str, tools: Tools | None, finish: str) -> tuple[str, list[Call]] | None:
+    """(content, calls) of a finished choice, or None: only a choice that ended by itself (not
+    cut by max_tokens) and whose text parses as calls of the given tools has them."""
+    if not in_use(tools) or finish != "stop":
+        return None
+    content, calls = find_calls(text, tools)
+    return (content, calls) if calls else None
 
 
 @dataclass

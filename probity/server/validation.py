@@ -31,7 +31,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     token_ids_labels: bool
-    grammar_param: str | None = None   # the field its grammar came from (grammar_field)
+    grammar_param: str | None = None   # the field its grammar came from (an engine refusal of it names this)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ChatRequest:
     tools: Tools | None = None
     prompt_logprobs: int | None = None
     top_logprobs: int | None = None  # the completion's own tables (logprobs: true), None: none
-    grammar_param: str | None = None   # the field its grammar came from (grammar_field)
+    grammar_param: str | None = None   # the field its grammar came from (an engine refusal of it names this)
 
 
 # ------------------------------------------------------------------ field helpers
@@ -246,7 +246,7 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     max_tokens = _integer(body, "max_tokens", 16, 0, P.MAX_TOKENS)
     if max_tokens == 0 and not echo:
         raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
-    grammar = _grammar(body)
+    grammar, grammar_param = _grammar(body)
     s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, grammar=grammar,
                  constrained_logprobs=_constrained(body, grammar), **fields)
     stream, include_usage = _stream(body)
@@ -268,7 +268,7 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
         raise _type("user", "a string")
     return CompletionRequest(
         model=model, members=members, is_array=is_array, sampling=s, stream=stream, include_usage=include_usage,
-        token_ids_labels=_bool(body, "return_tokens_as_token_ids", False), grammar_param=grammar_field(body))
+        token_ids_labels=_bool(body, "return_tokens_as_token_ids", False), grammar_param=grammar_param)
 
 
 def _token_ids(v: list, param: str, vocab_size: int) -> list[int]:
@@ -333,27 +333,13 @@ CHAT_REFUSED = {
 ROLES = P.ROLES
 
 
-def _grammar(body: dict) -> str | None:
-    """response_format or structured_outputs (one of them) as grammar text."""
+def _grammar(body: dict) -> tuple[str | None, str | None]:
+    """response_format or structured_outputs (one of them) as (grammar text, the field it came
+    from), or (None, None)."""
     rf, so = response_format(body.get("response_format")), structured_outputs(body.get("structured_outputs"))
     if rf is not None and so is not None:
         raise APIError("invalid_value", "give response_format or structured_outputs, not both", "structured_outputs")
-    return rf if rf is not None else so
-
-
-def grammar_field(body: dict, tools: Tools | None = None) -> str | None:
-    """The request field a grammar came from: an engine refusal of it (a grammar that admits no
-    output) names this field."""
-    if tools is not None and tools.forced:
-        return "tool_choice"
-    rf = body.get("response_format")
-    if type(rf) is dict and rf.get("type") in ("json_object", "json_schema"):
-        return "response_format.json_schema.schema" if rf["type"] == "json_schema" else "response_format"
-    so = body.get("structured_outputs")
-    if type(so) is dict:
-        given = [k for k in so if so[k] is not None and so[k] is not False]
-        return f"structured_outputs.{given[0]}" if given else "structured_outputs"
-    return None
+    return rf or so or (None, None)
 
 
 def _constrained(body: dict, grammar: str | None) -> bool:
@@ -371,14 +357,12 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
     model = _model(body, served)
     messages = parse_messages(body.get("messages"), tools=True)
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), tool_format)
-    grammar = _grammar(body)
+    grammar, grammar_param = _grammar(body)
     if tools is not None and tools.forced:
         if grammar is not None:
             raise APIError("invalid_value", f"tool_choice {tools.choice!r} decides the output's form: it cannot be "
                            "combined with response_format or structured_outputs", "tool_choice")
-        grammar = tools.grammar()
-    if tools is not None and tools.choice == "none":
-        tools = Tools(tools.tools, choice="none", fmt=tools.fmt, names=tools.names)
+        grammar, grammar_param = tools.grammar(), "tool_choice"
     pl = body.get("prompt_logprobs")
     if pl is not None and (not _is_int(pl) or not 0 <= pl <= limits.max_logprobs):
         raise (_type if not _is_int(pl) else _value)("prompt_logprobs", f"an integer in [0, {limits.max_logprobs}]")
@@ -410,7 +394,7 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
         raise _type("user", "a string")
     return ChatRequest(model=model, messages=messages, sampling=s, stream=stream, include_usage=include_usage,
                        tools=tools, prompt_logprobs=pl, top_logprobs=(top or 0) if logprobs else None,
-                       grammar_param=grammar_field(body, tools))
+                       grammar_param=grammar_param)
 
 
 def _tool_calls(v: Any, where: str) -> list[dict]:
@@ -430,12 +414,9 @@ def _tool_calls(v: Any, where: str) -> list[dict]:
         f = c.get("function")
         if type(f) is not dict:
             raise _type(f"{w}.function", "an object")
-        for k in f:
-            if k not in ("name", "arguments"):
-                raise APIError("unknown_parameter", f"unknown parameter '{w}.function.{k}'", f"{w}.function.{k}")
-        for k, w2 in (("id", f"{w}.id"),):
-            if type(c.get(k)) is not str or not c[k]:
-                raise _type(w2, "a non-empty string")
+        check_keys(f, ("name", "arguments"), f"{w}.function")
+        if type(c.get("id")) is not str or not c["id"]:
+            raise _type(f"{w}.id", "a non-empty string")
         for k in ("name", "arguments"):
             if type(f.get(k)) is not str:
                 raise _type(f"{w}.function.{k}", "a string")
