@@ -111,10 +111,10 @@ class Engine(EngineCore):
         # the constrained choices' masks, computed while the forward runs (their matchers'
         # states do not change until a token is drawn)
         constrained = [seq for seq, _ in batch if seq.matcher is not None and not seq.finished]
-        masks = self.grammars.start_masks([seq.matcher for seq in constrained])
+        computing = self.grammars.start_masks([seq.matcher for seq in constrained])
         try:
             results = self.runner.step(batch, lambda seq: not seq.done_budget)
-            mask_of = dict(zip(map(id, constrained), masks.result())) if masks is not None else {}
+            mask_of = dict(zip(map(id, constrained), computing.result())) if computing is not None else {}
         except Exception as e:
             log(f"forward failed: {traceback.format_exc()}")
             for req in {id(seq.request): seq.request for seq, _ in batch}.values():
@@ -159,10 +159,11 @@ class Engine(EngineCore):
             if seq.counts is None:
                 seq.counts = torch.zeros(lp.shape[-1])
             seq.counts[token] += 1
-        if s.constrained_logprobs and mask is not None:
+        constrained = s.constrained_logprobs and mask is not None
+        if constrained:
             lp = renormalised(lp, mask)
         table = top_tables(lp.unsqueeze(0), [token], s.logprobs)[0] if s.logprobs is not None else None
-        if table is not None and s.constrained_logprobs and mask is not None:
+        if table is not None and constrained:
             table = [(i, v) for i, v in table if v != -float("inf")]   # only what the grammar allowed
         self.accept_token(seq, token, lp[token].item(), table)
 

@@ -74,10 +74,10 @@ class Grammars:
     def check_start(self, m: llguidance.LLMatcher) -> None:
         """Refusal BAD_REQUEST naming `grammar` if the grammar cannot even begin: its first mask
         allows nothing, or computing it runs past the parser's limits (a schema that only
-        refers to itself does) -- so such a request is refused before ACCEPT, not ended later."""
-        first = m.deep_copy()
-        if first.is_error() or not any(first.compute_bitmask()) or first.is_error():
-            why = first.get_error() or "no token can begin it"
+        refers to itself does) -- so such a request is refused before ACCEPT, not ended later.
+        (Computing a mask moves no matcher forward; a matcher it puts in error is refused.)"""
+        if not any(m.compute_bitmask()) or m.is_error():
+            why = m.get_error() or "no token can begin it"
             raise Refusal("BAD_REQUEST", f"the grammar admits no output: {why}"[:2000], "grammar")
 
     # ------------------------------------------------------------ masks

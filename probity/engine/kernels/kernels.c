@@ -161,11 +161,17 @@ static inline void transpose8(const float *in, int64_t ld, float *out)
 
 /* one slice's scores: ob[c][j] = sum_d qb[c][d] * kb[j][d] for its 64 keys, each one chain
  * over d in order (kt: scratch for the keys as columns) */
-static inline void score_slice(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
+/* a slice's keys kb [SLICE][hd] -> kt [hd][SLICE] */
+static inline void transpose_slice(const float *kb, int64_t hd, float *kt)
 {
     for (int64_t j = 0; j < SLICE; j += 8)
         for (int64_t d = 0; d < hd; d += 8)
             transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
+}
+
+static inline void score_slice(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
+{
+    transpose_slice(kb, hd, kt);
     for (int64_t c = 0; c < C; c++) {
         __m256 a[8];
 #pragma GCC unroll 8
@@ -256,19 +262,19 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
  * steps cannot, and a key or value vector is loaded once for all the rows. */
 #define K512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
 
-static int cpu_avx512(void)
+/* whether this CPU runs the AVX-512 code of both sources (stored.c's kernels too) */
+int probity_cpu_avx512(void)
 {
     static int known = -1;
     if (known < 0)
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                && __builtin_cpu_supports("avx512vl");
     return known;
 }
 
 K512 static void score_slice512(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
 {
-    for (int64_t j = 0; j < SLICE; j += 8)
-        for (int64_t d = 0; d < hd; d += 8)
-            transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
+    transpose_slice(kb, hd, kt);
     for (int64_t c0 = 0; c0 < C; c0 += 4) {
         const int rows = C - c0 >= 4 ? 4 : (int)(C - c0);
         __m512 a[4][SLICE / 16];
@@ -332,7 +338,7 @@ void probity_decode_scores(const float *q, const int64_t *row, const float *keys
         const float *qr = q + (row[j] * KV * G + h * G) * hd;
         for (int64_t i = 0; i < G * hd; i++) qs[i] = qr[i] * scale;
         float *o = out + hj * S * G * SLICE;
-        const int wide = cpu_avx512();
+        const int wide = probity_cpu_avx512();
         for (int64_t s = 0; s < S; s++) {
             if (wide)
                 score_slice512(qs, G, keys + (hj * L + s * SLICE) * hd, hd, o + s * G * SLICE, kt);
@@ -371,7 +377,7 @@ void probity_decode_values(float *e, const float *vals, const int64_t *pos, floa
         const int64_t p = pos[j];
         float *eh = e + hj * S * G * SLICE;
         float *ph = part + hj * S * G * W;
-        const int wide = cpu_avx512() && (W - 1) % 16 == 0;
+        const int wide = probity_cpu_avx512() && (W - 1) % 16 == 0;
         for (int64_t s = 0; s < S; s++) {
             for (int64_t g = 0; g < G; g++) {
                 float *ec = eh + (s * G + g) * SLICE;

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+int probity_cpu_avx512(void);   /* kernels.c: whether the AVX-512 code runs on this CPU */
+
 #ifndef PANEL
 #error "compile through probity/engine/kernels/build.py"
 #endif
@@ -356,7 +358,6 @@ A512 static void fused_tile512(int type, int mr, int np, const float *x, int64_t
  * sums wait in a per-thread staging buffer between blocks (= block 0, then + block i, then
  * + bias, then + residual: the adds of fused512 in the same order, so the same bits); only
  * where the running sum waits changes. The staged rows are then written to y once. */
-static int has_avx512(void);
 #define WIDE_MR 12
 #define WIDE_MC 256   /* at most this many rows per chunk: their inputs (256 x K floats) stay in L2 */
 #define WIDE_LDS 32   /* the row stride of a pair's staged outputs */
@@ -475,16 +476,8 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
     }
 }
 
-int probity_stored_wide(void) { return has_avx512(); }
+int probity_stored_wide(void) { return probity_cpu_avx512(); }
 
-static int has_avx512(void)
-{
-    static int known = -1;
-    if (known < 0)
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                && __builtin_cpu_supports("avx512vl");
-    return known;
-}
 
 /* y = x W^T (+ b) (+ r) for x [M, K] and W stored as `type`: up to 6 rows fused (fused512),
  * more rows by wide512 — both AVX-512; without AVX-512 (M <= 32 then) each panel expanded into
@@ -495,7 +488,7 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
                            int64_t ldy)
 {
     const int64_t panels = (N + 15) / 16, pb = K / 32 * probity_group_bytes(type);
-    if (M <= 6 && has_avx512()) {
+    if (M <= 6 && probity_cpu_avx512()) {
         const int np = fused_panels((int)M);
         const int64_t groups = (panels + np - 1) / np;
 #pragma omp parallel for schedule(static)
@@ -511,7 +504,7 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
         }
         return;
     }
-    if (has_avx512()) {
+    if (probity_cpu_avx512()) {
         wide512(type, x, ldx, M, packed, N, K, kb, bias, res, ldr, y, ldy);
         return;
     }
