@@ -30,6 +30,9 @@
 #endif
 #define NB PANEL
 #define MR_MAX 6
+#ifndef AHEAD
+#define AHEAD 8192
+#endif
 
 static inline __attribute__((always_inline)) void tile(
     const int mr, const float *x, int64_t ldx, const float *w, int64_t K, int64_t kb,
@@ -164,9 +167,18 @@ static inline void transpose8(const float *in, int64_t ld, float *out)
 /* a slice's keys kb [SLICE][hd] -> kt [hd][SLICE] */
 static inline void transpose_slice(const float *kb, int64_t hd, float *kt)
 {
-    for (int64_t j = 0; j < SLICE; j += 8)
-        for (int64_t d = 0; d < hd; d += 8)
+    for (int64_t j = 0; j < SLICE; j += 8) {
+        /* the 8 keys AHEAD bytes on (the next slice's, then the next item's), a line per d step:
+         * these reads come from memory, and the hardware prefetcher stops at each 4 KiB page */
+        const char *next = (const char *)(kb + j * hd) + AHEAD;
+        for (int64_t d = 0; d < hd; d += 8) {
+            _mm_prefetch(next + d * 32, _MM_HINT_T0);
+            _mm_prefetch(next + d * 32 + 64, _MM_HINT_T0);
+            _mm_prefetch(next + d * 32 + 128, _MM_HINT_T0);
+            _mm_prefetch(next + d * 32 + 192, _MM_HINT_T0);
             transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
+        }
+    }
 }
 
 static inline void score_slice(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
@@ -200,7 +212,7 @@ void probity_score(const float *q, const float *keys, float *out, int64_t B, int
 
 /* one row of a slice's values: oc[j] = sum_n ec[n] * vb[n][j] over its 64 keys, each one
  * chain over n in order */
-static inline void value_row(const float *ec, const float *vb, float *oc, int64_t W)
+static inline void value_row(const float *ec, const float *vb, float *oc, int64_t W, const int ahead)
 {
     const int64_t wv = W / 8 * 8;
     for (int64_t j0 = 0; j0 < wv || j0 == 0; j0 += 64) {
@@ -214,6 +226,10 @@ static inline void value_row(const float *ec, const float *vb, float *oc, int64_
             const float en = ec[n];
             const __m256 x = _mm256_set1_ps(en);
             const float *vn = vb + n * W + j0;
+            if (j0 == 0 && ahead) {   /* the values AHEAD bytes on, as transpose_slice the keys */
+                const char *next = (const char *)(vb + n * W) + AHEAD;
+                for (int64_t b = 0; b < W * 4; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            }
             if (nv == 8) {
 #pragma GCC unroll 8
                 for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
@@ -243,7 +259,7 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
 #pragma omp parallel for schedule(static) if (B * S * C >= 96)
     for (int64_t bs = 0; bs < B * S; bs++)
         for (int64_t c = 0; c < C; c++)
-            value_row(e + (bs * C + c) * SLICE, vals + bs * SLICE * W, out + (bs * C + c) * W, W);
+            value_row(e + (bs * C + c) * SLICE, vals + bs * SLICE * W, out + (bs * C + c) * W, W, c == 0);
 }
 
 /* ---- a decode group's attention in two calls, torch's exp between them ------------------
@@ -272,29 +288,75 @@ int probity_cpu_avx512(void)
     return known;
 }
 
+/* rows query rows (a constant where it is called, so the accumulators stay in registers)
+ * against a slice's transposed keys kt */
+K512 static inline __attribute__((always_inline)) void score_tile512(
+    const int rows, const float *qb, const float *kt, int64_t hd, float *ob)
+{
+    __m512 a[4][SLICE / 16];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < SLICE / 16; v++) a[r][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        __m512 k[SLICE / 16];
+        for (int v = 0; v < SLICE / 16; v++) k[v] = _mm512_loadu_ps(kt + d * SLICE + v * 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512 x = _mm512_set1_ps(qb[r * hd + d]);
+            for (int v = 0; v < SLICE / 16; v++) a[r][v] = _mm512_fmadd_ps(x, k[v], a[r][v]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < SLICE / 16; v++) _mm512_storeu_ps(ob + r * SLICE + v * 16, a[r][v]);
+}
+
 K512 static void score_slice512(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
 {
     transpose_slice(kb, hd, kt);
     for (int64_t c0 = 0; c0 < C; c0 += 4) {
-        const int rows = C - c0 >= 4 ? 4 : (int)(C - c0);
-        __m512 a[4][SLICE / 16];
-        for (int r = 0; r < 4; r++)
-            for (int v = 0; v < SLICE / 16; v++) a[r][v] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < hd; d++) {
-            __m512 k[SLICE / 16];
-            for (int v = 0; v < SLICE / 16; v++) k[v] = _mm512_loadu_ps(kt + d * SLICE + v * 16);
-            for (int r = 0; r < rows; r++) {
-                const __m512 x = _mm512_set1_ps(qb[(c0 + r) * hd + d]);
-                for (int v = 0; v < SLICE / 16; v++) a[r][v] = _mm512_fmadd_ps(x, k[v], a[r][v]);
-            }
+        const float *q = qb + c0 * hd;
+        float *o = ob + c0 * SLICE;
+        switch (C - c0 >= 4 ? 4 : (int)(C - c0)) {
+        case 4: score_tile512(4, q, kt, hd, o); break;
+        case 3: score_tile512(3, q, kt, hd, o); break;
+        case 2: score_tile512(2, q, kt, hd, o); break;
+        default: score_tile512(1, q, kt, hd, o); break;
         }
-        for (int r = 0; r < rows; r++)
-            for (int v = 0; v < SLICE / 16; v++) _mm512_storeu_ps(ob + (c0 + r) * SLICE + v * 16, a[r][v]);
     }
 }
 
 /* value_row for C rows of one slice (ec [C][SLICE] -> oc [C][W]) when W - 1 is a multiple of 16
- * (V's columns, then its column of ones: a scalar chain per row, as in value_row) */
+ * (V's columns, then its column of ones: a scalar chain per row, as in value_row). value_tile512
+ * is one tile of `rows` rows x `nv` vectors of 16 columns from column j0; called with constant
+ * rows and nv, its accumulators stay in registers. */
+K512 static inline __attribute__((always_inline)) void value_tile512(
+    const int rows, const int nv, const float *ec, const float *vb, float *oc, int64_t W, int64_t j0,
+    const int ahead)
+{
+    const int64_t wv = W - 1;
+    __m512 a[3][4];
+    float t1[3] = {0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < nv; v++) a[r][v] = _mm512_setzero_ps();
+    for (int64_t n = 0; n < SLICE; n++) {
+        const float *vn = vb + n * W + j0;
+        if (j0 == 0 && ahead) {   /* the values AHEAD bytes on, as transpose_slice the keys */
+            const char *next = (const char *)(vb + n * W) + AHEAD;
+            for (int64_t b = 0; b < W * 4; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+        }
+        __m512 w[4];
+        for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_ps(vn + v * 16);
+        for (int r = 0; r < rows; r++) {
+            const float en = ec[r * SLICE + n];
+            const __m512 x = _mm512_set1_ps(en);
+            for (int v = 0; v < nv; v++) a[r][v] = _mm512_fmadd_ps(x, w[v], a[r][v]);
+            if (j0 == 0) t1[r] = __builtin_fmaf(en, vb[n * W + wv], t1[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(oc + r * W + j0 + v * 16, a[r][v]);
+        if (j0 == 0) oc[r * W + wv] = t1[r];
+    }
+}
+
 K512 static void value_rows512(const float *ec, int64_t C, const float *vb, float *oc, int64_t W)
 {
     const int64_t wv = W - 1;
@@ -302,26 +364,63 @@ K512 static void value_rows512(const float *ec, int64_t C, const float *vb, floa
         const int nv = wv - j0 >= 64 ? 4 : (int)((wv - j0) / 16);
         for (int64_t c0 = 0; c0 < C; c0 += 3) {
             const int rows = C - c0 >= 3 ? 3 : (int)(C - c0);
-            __m512 a[3][4];
-            float t1[3] = {0.0f, 0.0f, 0.0f};
-            for (int r = 0; r < 3; r++)
-                for (int v = 0; v < 4; v++) a[r][v] = _mm512_setzero_ps();
-            for (int64_t n = 0; n < SLICE; n++) {
-                const float *vn = vb + n * W + j0;
-                __m512 w[4];
-                for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_ps(vn + v * 16);
-                for (int r = 0; r < rows; r++) {
-                    const float en = ec[(c0 + r) * SLICE + n];
-                    const __m512 x = _mm512_set1_ps(en);
-                    for (int v = 0; v < nv; v++) a[r][v] = _mm512_fmadd_ps(x, w[v], a[r][v]);
-                    if (j0 == 0) t1[r] = __builtin_fmaf(en, vb[n * W + wv], t1[r]);
-                }
+            const float *e = ec + c0 * SLICE;
+            float *o = oc + c0 * W;
+#define VALUE_TILE(R) \
+            switch (nv) { \
+            case 4: value_tile512(R, 4, e, vb, o, W, j0, c0 == 0); break; \
+            case 3: value_tile512(R, 3, e, vb, o, W, j0, c0 == 0); break; \
+            case 2: value_tile512(R, 2, e, vb, o, W, j0, c0 == 0); break; \
+            default: value_tile512(R, 1, e, vb, o, W, j0, c0 == 0); break; \
             }
-            for (int r = 0; r < rows; r++) {
-                for (int v = 0; v < nv; v++) _mm512_storeu_ps(oc + (c0 + r) * W + j0 + v * 16, a[r][v]);
-                if (j0 == 0) oc[(c0 + r) * W + wv] = t1[r];
-            }
+            if (rows == 3) { VALUE_TILE(3) } else if (rows == 2) { VALUE_TILE(2) } else { VALUE_TILE(1) }
+#undef VALUE_TILE
         }
+    }
+}
+
+/* the scores' post-processing for one item and one query row's slices (o [S][G][SLICE] at
+ * row g): the maximum over keys 0..p, then s - max clamped at `floor`, and keys past `lead`
+ * times 1 where visible, 0 where not. The scalar form in probity_decode_scores is the
+ * reference; here 16 keys per vector. A maximum is exact, so its order changes no bit (a
+ * lane never keeps a NaN: `v > top ? v : top`, as the scalar loop). */
+K512 static void scores_post512(float *o, int64_t S, int64_t G, int64_t g, int64_t p, int64_t lead, float floor)
+{
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t s = 0; s < S && s * SLICE <= p; s++)
+        for (int64_t k0 = 0; k0 < SLICE && s * SLICE + k0 <= p; k0 += 16) {
+            const int64_t left = p - (s * SLICE + k0);
+            const __mmask16 vis = left >= 15 ? (__mmask16)0xFFFF : (__mmask16)((1u << (left + 1)) - 1);
+            const __m512 v = _mm512_loadu_ps(o + (s * G + g) * SLICE + k0);
+            top = _mm512_mask_max_ps(top, vis, v, top);
+        }
+    const __m512 t = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    const __m512 fl = _mm512_set1_ps(floor), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t k0 = 0; k0 < SLICE; k0 += 16) {
+            float *at = o + (s * G + g) * SLICE + k0;
+            __m512 v = _mm512_max_ps(fl, _mm512_sub_ps(_mm512_loadu_ps(at), t));  /* v < floor ? floor : v */
+            const int64_t i0 = s * SLICE + k0;
+            if (i0 >= lead) {   /* lead is a multiple of SLICE: a vector is wholly past it or not */
+                const int64_t left = p - i0;
+                const __mmask16 vis = left >= 15 ? (__mmask16)0xFFFF
+                                    : left < 0 ? (__mmask16)0 : (__mmask16)((1u << (left + 1)) - 1);
+                v = _mm512_mul_ps(v, _mm512_mask_blend_ps(vis, zero, one));
+            }
+            _mm512_storeu_ps(at, v);
+        }
+}
+
+/* probity_decode_values' second masking of one slice's numerators ec [SLICE] (keys i0..): times
+ * 1 where visible (i <= p), 0 where not */
+K512 static void mask_slice512(float *ec, int64_t i0, int64_t p)
+{
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < SLICE; k0 += 16) {
+        const int64_t left = p - (i0 + k0);
+        const __mmask16 vis = left >= 15 ? (__mmask16)0xFFFF
+                            : left < 0 ? (__mmask16)0 : (__mmask16)((1u << (left + 1)) - 1);
+        _mm512_storeu_ps(ec + k0, _mm512_mul_ps(_mm512_loadu_ps(ec + k0), _mm512_mask_blend_ps(vis, zero, one)));
     }
 }
 
@@ -346,7 +445,9 @@ void probity_decode_scores(const float *q, const int64_t *row, const float *keys
                 score_slice(qs, G, keys + (hj * L + s * SLICE) * hd, hd, o + s * G * SLICE, kt);
         }
         const int64_t p = pos[j];
-        for (int64_t g = 0; g < G; g++) {
+        for (int64_t g = 0; g < G && wide; g++)
+            scores_post512(o, S, G, g, p, lead, floor);
+        for (int64_t g = 0; g < G && !wide; g++) {
             float top = -INFINITY;
             for (int64_t s = 0; s < S; s++)
                 for (int64_t k = 0; k < SLICE && s * SLICE + k <= p; k++) {
@@ -381,12 +482,15 @@ void probity_decode_values(float *e, const float *vals, const int64_t *pos, floa
         for (int64_t s = 0; s < S; s++) {
             for (int64_t g = 0; g < G; g++) {
                 float *ec = eh + (s * G + g) * SLICE;
-                for (int64_t k = 0; k < SLICE; k++) {
-                    const int64_t i = s * SLICE + k;
-                    if (i >= lead) ec[k] = ec[k] * (i <= p ? 1.0f : 0.0f);
-                }
+                if (wide && s * SLICE >= lead)
+                    mask_slice512(ec, s * SLICE, p);
+                else if (!wide)
+                    for (int64_t k = 0; k < SLICE; k++) {
+                        const int64_t i = s * SLICE + k;
+                        if (i >= lead) ec[k] = ec[k] * (i <= p ? 1.0f : 0.0f);
+                    }
                 if (!wide)
-                    value_row(ec, vals + (hj * L + s * SLICE) * W, ph + (s * G + g) * W, W);
+                    value_row(ec, vals + (hj * L + s * SLICE) * W, ph + (s * G + g) * W, W, g == 0);
             }
             if (wide)
                 value_rows512(eh + s * G * SLICE, G, vals + (hj * L + s * SLICE) * W, ph + s * G * W, W);
