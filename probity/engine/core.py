@@ -121,7 +121,8 @@ class EngineCore:
                 self.handle(self.inbox.get())
             self.poll()  # a CANCEL takes effect before the next step
             if self.requests:
-                self.step()
+                with self.out.held():   # the step's frames in one write
+                    self.step()
                 self.maybe_stats(changed=not busy)  # busy now: say so at once, then once a second
                 busy = True
 

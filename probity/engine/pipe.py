@@ -2,6 +2,7 @@
 thread. Shared by every engine backend, so all of them fail closed the same way."""
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
@@ -22,11 +23,32 @@ class Writer:
     def __init__(self, fd: int):
         self.fd = fd
         self.lock = threading.Lock()
+        self.held_frames: list[bytes] | None = None   # frames kept for one write (held()): the holder's only
+        self.holder: int | None = None
 
     def send(self, kind: str, rid: int, payload: dict) -> None:
         self.send_encoded(P.encode(kind, rid, payload))
 
+    @contextlib.contextmanager
+    def held(self):
+        """The frames this thread sends inside go out in one write when it ends (an engine step's
+        TOKEN frames: one system call instead of one per choice, and one wake-up of the server,
+        which shares the CPU), in the order they were sent, whatever ends it."""
+        self.held_frames, self.holder = [], threading.get_ident()
+        try:
+            yield
+        finally:
+            frames, self.held_frames, self.holder = self.held_frames, None, None
+            if frames:
+                self._write(b"".join(frames))
+
     def send_encoded(self, frame: bytes) -> None:
+        if self.holder is not None and self.holder == threading.get_ident():
+            self.held_frames.append(frame)
+            return
+        self._write(frame)
+
+    def _write(self, frame: bytes) -> None:
         data = memoryview(frame)
         with self.lock:
             try:

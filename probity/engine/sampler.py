@@ -73,10 +73,12 @@ def sample_many(rows: list[torch.Tensor], seqs: list[Sequence], masks: list[torc
     if not batch:
         return out
     x = torch.stack([rows[j] for j in batch]).float()
+    biased = [(r, seqs[j].request.sampling.logit_bias) for r, j in enumerate(batch) if seqs[j].request.sampling.logit_bias]
+    if biased:  # every biased entry at once: x[r, id] + bias, as the one-row path adds it
+        at_r = torch.tensor([r for r, b in biased for _ in b])
+        at_id = torch.tensor([i for _, b in biased for i in b])
+        x.index_put_((at_r, at_id), x[at_r, at_id] + torch.tensor([v for _, b in biased for v in b.values()], dtype=x.dtype))
     for r, j in enumerate(batch):
-        bias = seqs[j].request.sampling.logit_bias
-        if bias:
-            x[r, torch.tensor(list(bias.keys()))] += torch.tensor(list(bias.values()), dtype=x.dtype)
         if masks[j] is not None:
             x[r].masked_fill_(~masks[j], -torch.inf)
     temps: dict[float, list[int]] = {}
@@ -88,10 +90,14 @@ def sample_many(rows: list[torch.Tensor], seqs: list[Sequence], masks: list[torc
             out[batch[r]] = tok
     if temps:
         drawn = [r for rs in temps.values() for r in rs]
-        scaled = torch.cat([x[rs] / t for t, rs in temps.items()])
+        if len(temps) == 1 and len(drawn) == len(batch):  # one temperature for every row
+            t = next(iter(temps))
+            scaled = x if t == 1.0 else x / t   # x / 1 is x, bit for bit
+        else:
+            scaled = torch.cat([x[rs] / t for t, rs in temps.items()])
         # A temperature so small that logit / temperature overflows float32 samples its limit,
         # the greedy token, and draws nothing (as `sample` does).
-        finite = torch.isfinite(scaled.max(dim=-1).values).tolist()
+        finite = torch.isfinite(scaled.amax(dim=-1)).tolist()
         if not all(finite):
             for r, ok in zip(drawn, finite):
                 if not ok:
