@@ -74,3 +74,35 @@ def test_the_fused_decode_attention_is_used_only_where_it_gives_the_general_path
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: real(*a, **k) * (1 + 1e-7))
     assert "general path" in C.probe_decode_attention(64, 3, 3)
+
+
+def test_the_fused_decode_attention_gives_the_general_paths_bits_on_random_groups():
+    """Beyond the startup probe's three position sets: random item counts, key lengths and
+    positions (visible ends anywhere in a 16-key vector, whole slices past an item's end),
+    score scales from 0.1 to 100 (so the clamp at EXP_FLOOR is hit), several head shapes;
+    the kernel's vectorized maximum, clamp and masks must give the general path's bits, as raw
+    float bits. A visibility mask one key short in the kernel fails this."""
+    import random
+
+    from probity.engine import kernels
+    from probity.engine.attention import KEY_ALIGN, AttnGroup, attend, masks
+
+    if kernels.lib() is None:
+        return
+    rnd, gen = random.Random(7), torch.Generator().manual_seed(7)
+    for _ in range(120):
+        hd, n_kv, group = rnd.choice([(64, 3, 3), (16, 2, 2), (128, 1, 4), (32, 2, 5)])
+        items, L = rnd.randint(1, 9), KEY_ALIGN * rnd.randint(1, 4)
+        positions = [rnd.randrange(L) for _ in range(items)]
+        scale = rnd.choice([0.1, 1.0, 10.0, 100.0])
+        q = torch.randn(items, n_kv * group, hd, generator=gen) * scale
+        keys = torch.randn(n_kv, items, L, hd, generator=gen)
+        vals = torch.cat([torch.randn(n_kv, items, L, hd, generator=gen), torch.ones(n_kv, items, L, 1)], -1)
+        lead = min(positions) // KEY_ALIGN * KEY_ALIGN
+        visible, hide = masks(lead, L, [[p] for p in positions])
+        g = AttnGroup(items=items, rows=1, nb=0, length=L, idx=torch.arange(items), dest=torch.arange(items),
+                      keep=None, lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long),
+                      qpos=torch.tensor([[p] for p in positions]), decode=True, pos=torch.tensor(positions))
+        fused = attend(q, keys, vals, g, hd ** -0.5, fused_decode=True)
+        general = attend(q, keys, vals, g, hd ** -0.5, fused_decode=False)
+        assert torch.equal(fused.view(torch.int32), general.view(torch.int32)), (hd, items, L, positions, scale)
