@@ -386,10 +386,10 @@ A512 static inline __attribute__((always_inline)) void wide_tile512(
      * `every` steps of k: in a step the weights come from L3 or memory, and this thread's next
      * block would otherwise wait on them line by line (gate_up at 32 rows: 311 us with its
      * weights in L2, 367 us without) */
-    const int64_t every = pf_lines ? (kl / pf_lines > 0 ? kl / pf_lines : 1) : kl + 1;
+    const int64_t every = pf_lines && kl / pf_lines > 0 ? kl / pf_lines : 1;
     int64_t wait = 0, line = 0;
     for (int64_t k = 0; k < kl; k++) {
-        if (wait-- == 0) {
+        if (pf_lines && wait-- == 0) {
             wait = every - 1;
             if (line < pf_lines) {
                 _mm_prefetch(pf0 + line * 64, _MM_HINT_T1);
@@ -418,20 +418,20 @@ A512 static inline __attribute__((always_inline)) void wide_tile512(
     }
 }
 
-#define WIDE_ROWS(two) \
+#define WIDE_ROWS(two, lines) \
     switch (mr) { \
-    case 12: wide_tile512(12, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 11: wide_tile512(11, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 10: wide_tile512(10, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 9: wide_tile512(9, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 8: wide_tile512(8, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 7: wide_tile512(7, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 6: wide_tile512(6, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 5: wide_tile512(5, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 4: wide_tile512(4, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 3: wide_tile512(3, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    case 2: wide_tile512(2, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
-    default: wide_tile512(1, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, pfn); break; \
+    case 12: wide_tile512(12, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 11: wide_tile512(11, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 10: wide_tile512(10, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 9: wide_tile512(9, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 8: wide_tile512(8, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 7: wide_tile512(7, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 6: wide_tile512(6, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 5: wide_tile512(5, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 4: wide_tile512(4, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 3: wide_tile512(3, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    case 2: wide_tile512(2, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
+    default: wide_tile512(1, two, xm, ldx, buf, k1 - k0, k0 == 0, k1 == K, bj, rm, ldr, ym, WIDE_LDS, keep0, keep1, pf0, pf1, lines); break; \
     }
 
 #define WIDE_DECODE(T) \
@@ -484,7 +484,10 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
                     const float *xm = x + m0 * ldx + k0;
                     const float *rm = res ? res + m0 * ldr + n0 : 0;
                     float *ym = stage + (m0 - c * mc) * WIDE_LDS;
-                    if (two) { WIDE_ROWS(1) } else { WIDE_ROWS(0) }
+                    /* the tile that prefetches, and the others: their k loop without it (a
+                     * constant 0 removes it; a run-time test cost prefill ~3%) */
+                    if (pfn && two) { WIDE_ROWS(1, pfn) } else if (pfn) { WIDE_ROWS(0, pfn) }
+                    else if (two) { WIDE_ROWS(1, 0) } else { WIDE_ROWS(0, 0) }
                 }
             }
             for (int64_t m = c * mc; m < m1; m++) {
