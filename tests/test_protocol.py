@@ -341,3 +341,36 @@ def test_entry_chunks_never_build_a_frame_beyond_its_bound(kind, count, max_item
     small = [{"id": 1, "bytes": "41", "logprob": -1.0} for _ in range(600)]
     assert [len(p) for _, p in P.entry_chunks(kind, small, max_items)] == \
         [max_items] * (600 // max_items) + ([600 % max_items] if 600 % max_items else [])
+
+
+def test_a_held_writer_sends_a_steps_frames_in_one_write_in_order_whatever_ends_the_step():
+    """The engine writes one step's frames at the step's end (pipe.Writer.held): nothing is on
+    the pipe before, every frame is there after, in the order sent, byte for byte as one
+    write each would give -- also when the step raises; another thread's frame is not held."""
+    import os
+    import threading
+
+    from probity.engine.pipe import Writer
+
+    r, w = os.pipe()
+    try:
+        out = Writer(w)
+        frames = [P.encode("TOKEN", i, {"member": 0, "choice": 0, "tokens": [{"id": i, "logprob": -0.5}]})
+                  for i in range(1, 4)]
+        os.set_blocking(r, False)
+        with pytest.raises(RuntimeError):
+            with out.held():
+                for f in frames[:2]:
+                    out.send_encoded(f)
+                with pytest.raises(BlockingIOError):
+                    os.read(r, 1 << 16)                    # held: nothing written yet
+                other = threading.Thread(target=out.send_encoded, args=(frames[2],))
+                other.start()
+                other.join()
+                assert os.read(r, 1 << 16) == frames[2]    # another thread's frame goes out at once
+                raise RuntimeError("the step failed")
+        assert os.read(r, 1 << 16) == frames[0] + frames[1]
+        assert out.holder is None
+    finally:
+        os.close(r)
+        os.close(w)
