@@ -85,7 +85,7 @@ def test_the_fused_decode_attention_gives_the_general_paths_bits_on_random_group
     import random
 
     from probity.engine import kernels
-    from probity.engine.attention import KEY_ALIGN, AttnGroup, attend, masks
+    from probity.engine.attention import KEY_ALIGN
 
     if kernels.lib() is None:
         return
@@ -95,14 +95,5 @@ def test_the_fused_decode_attention_gives_the_general_paths_bits_on_random_group
         items, L = rnd.randint(1, 9), KEY_ALIGN * rnd.randint(1, 4)
         positions = [rnd.randrange(L) for _ in range(items)]
         scale = rnd.choice([0.1, 1.0, 10.0, 100.0])
-        q = torch.randn(items, n_kv * group, hd, generator=gen) * scale
-        keys = torch.randn(n_kv, items, L, hd, generator=gen)
-        vals = torch.cat([torch.randn(n_kv, items, L, hd, generator=gen), torch.ones(n_kv, items, L, 1)], -1)
-        lead = min(positions) // KEY_ALIGN * KEY_ALIGN
-        visible, hide = masks(lead, L, [[p] for p in positions])
-        g = AttnGroup(items=items, rows=1, nb=0, length=L, idx=torch.arange(items), dest=torch.arange(items),
-                      keep=None, lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long),
-                      qpos=torch.tensor([[p] for p in positions]), decode=True, pos=torch.tensor(positions))
-        fused = attend(q, keys, vals, g, hd ** -0.5, fused_decode=True)
-        general = attend(q, keys, vals, g, hd ** -0.5, fused_decode=False)
+        fused, general = C.decode_both_ways(hd, n_kv, group, positions, L, scale, gen)
         assert torch.equal(fused.view(torch.int32), general.view(torch.int32)), (hd, items, L, positions, scale)

@@ -134,21 +134,28 @@ def probe_decode_attention(head_dim: int, n_kv: int, group: int, seed: int = 0) 
     if head_dim not in kernels.HEAD_DIMS or group > kernels.GROUP_MAX:
         return f"head dim {head_dim} / group {group} outside the kernel's range"
     gen = torch.Generator().manual_seed(seed)
-    scale = head_dim ** -0.5
     for positions in ((5, 70, 190), (130, 150, 191), (0, 63, 64)):
-        items, L = len(positions), 3 * KEY_ALIGN
-        q = torch.randn(items, n_kv * group, head_dim, generator=gen) * 3
-        keys = torch.randn(n_kv, items, L, head_dim, generator=gen)
-        vals = torch.cat([torch.randn(n_kv, items, L, head_dim, generator=gen), torch.ones(n_kv, items, L, 1)], -1)
-        lead = min(positions) // KEY_ALIGN * KEY_ALIGN
-        visible, hide = masks(lead, L, [[p] for p in positions])
-        g = AttnGroup(items=items, rows=1, nb=0, length=L, idx=torch.arange(items), dest=torch.arange(items),
-                      keep=None, lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long),
-                      qpos=torch.tensor([[p] for p in positions]), decode=True, pos=torch.tensor(positions))
-        if not torch.equal(attend(q, keys, vals, g, scale, fused_decode=True),
-                           attend(q, keys, vals, g, scale, fused_decode=False)):
+        fused, general = decode_both_ways(head_dim, n_kv, group, positions, 3 * KEY_ALIGN, 3.0, gen)
+        if not torch.equal(fused, general):
             return "it does not give the general path's bits on this CPU"
     return None
+
+
+def decode_both_ways(head_dim: int, n_kv: int, group: int, positions, length: int, q_scale: float,
+                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group on random data (one item per position in `positions`, `length` keys each,
+    queries scaled by `q_scale`), attended by the fused kernel and by the general path."""
+    items, L = len(positions), length
+    q = torch.randn(items, n_kv * group, head_dim, generator=gen) * q_scale
+    keys = torch.randn(n_kv, items, L, head_dim, generator=gen)
+    vals = torch.cat([torch.randn(n_kv, items, L, head_dim, generator=gen), torch.ones(n_kv, items, L, 1)], -1)
+    lead = min(positions) // KEY_ALIGN * KEY_ALIGN
+    visible, hide = masks(lead, L, [[p] for p in positions])
+    g = AttnGroup(items=items, rows=1, nb=0, length=L, idx=torch.arange(items), dest=torch.arange(items),
+                  keep=None, lead=lead, visible=visible, hide=hide, blocks=torch.zeros(0, dtype=torch.long),
+                  qpos=torch.tensor([[p] for p in positions]), decode=True, pos=torch.tensor(positions))
+    scale = head_dim ** -0.5
+    return (attend(q, keys, vals, g, scale, fused_decode=True), attend(q, keys, vals, g, scale, fused_decode=False))
 
 
 # ---------------------------------------------------------------- the step
