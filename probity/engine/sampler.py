@@ -73,11 +73,13 @@ def sample_many(rows: list[torch.Tensor], seqs: list[Sequence], masks: list[torc
     if not batch:
         return out
     x = torch.stack([rows[j] for j in batch]).float()
-    biased = [(r, seqs[j].request.sampling.logit_bias) for r, j in enumerate(batch) if seqs[j].request.sampling.logit_bias]
+    biases = [(r, seqs[j].request.sampling.logit_bias) for r, j in enumerate(batch)]
+    biased = [(r, b) for r, b in biases if b]
     if biased:  # every biased entry at once: x[r, id] + bias, as the one-row path adds it
         at_r = torch.tensor([r for r, b in biased for _ in b])
         at_id = torch.tensor([i for _, b in biased for i in b])
-        x.index_put_((at_r, at_id), x[at_r, at_id] + torch.tensor([v for _, b in biased for v in b.values()], dtype=x.dtype))
+        add = torch.tensor([v for _, b in biased for v in b.values()], dtype=x.dtype)
+        x.index_put_((at_r, at_id), x[at_r, at_id] + add)
     for r, j in enumerate(batch):
         if masks[j] is not None:
             x[r].masked_fill_(~masks[j], -torch.inf)
