@@ -43,7 +43,7 @@ class Writer:
                 self._write(b"".join(frames))
 
     def send_encoded(self, frame: bytes) -> None:
-        if self.holder is not None and self.holder == threading.get_ident():
+        if self.holder == threading.get_ident():
             self.held_frames.append(frame)
             return
         self._write(frame)

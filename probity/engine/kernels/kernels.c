@@ -30,9 +30,7 @@
 #endif
 #define NB PANEL
 #define MR_MAX 6
-#ifndef AHEAD
-#define AHEAD 8192
-#endif
+#define AHEAD 8192   /* bytes ahead that attention's kernels prefetch keys and values (prefetch_ahead) */
 
 static inline __attribute__((always_inline)) void tile(
     const int mr, const float *x, int64_t ldx, const float *w, int64_t K, int64_t kb,
@@ -162,25 +160,28 @@ static inline void transpose8(const float *in, int64_t ld, float *out)
     _mm256_store_ps(out + 7 * SLICE, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-/* one slice's scores: ob[c][j] = sum_d qb[c][d] * kb[j][d] for its 64 keys, each one chain
- * over d in order (kt: scratch for the keys as columns) */
-/* a slice's keys kb [SLICE][hd] -> kt [hd][SLICE] */
-static inline void transpose_slice(const float *kb, int64_t hd, float *kt)
+/* the `bytes` bytes AHEAD bytes on from `at` into L1: attention's keys and values come from
+ * memory in a step (the weights stream through the caches between layers), the hardware
+ * prefetcher stops at each 4 KiB page, and AHEAD on lies the next slice's (then the next
+ * item's: items are contiguous) */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *at, int64_t bytes)
 {
-    for (int64_t j = 0; j < SLICE; j += 8) {
-        /* the 8 keys AHEAD bytes on (the next slice's, then the next item's), a line per d step:
-         * these reads come from memory, and the hardware prefetcher stops at each 4 KiB page */
-        const char *next = (const char *)(kb + j * hd) + AHEAD;
-        for (int64_t d = 0; d < hd; d += 8) {
-            _mm_prefetch(next + d * 32, _MM_HINT_T0);
-            _mm_prefetch(next + d * 32 + 64, _MM_HINT_T0);
-            _mm_prefetch(next + d * 32 + 128, _MM_HINT_T0);
-            _mm_prefetch(next + d * 32 + 192, _MM_HINT_T0);
-            transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
-        }
-    }
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)at + AHEAD + b, _MM_HINT_T0);
 }
 
+/* a slice's keys kb [SLICE][hd] -> kt [hd][SLICE], prefetching as it reads (8 keys' 8 dims:
+ * 256 bytes per step) */
+static inline void transpose_slice(const float *kb, int64_t hd, float *kt)
+{
+    for (int64_t j = 0; j < SLICE; j += 8)
+        for (int64_t d = 0; d < hd; d += 8) {
+            prefetch_ahead(kb + j * hd + d * 8, 256);
+            transpose8(kb + j * hd + d, hd, kt + d * SLICE + j);
+        }
+}
+
+/* one slice's scores: ob[c][j] = sum_d qb[c][d] * kb[j][d] for its 64 keys, each one chain
+ * over d in order (kt: scratch for the keys as columns) */
 static inline void score_slice(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt)
 {
     transpose_slice(kb, hd, kt);
@@ -226,10 +227,8 @@ static inline void value_row(const float *ec, const float *vb, float *oc, int64_
             const float en = ec[n];
             const __m256 x = _mm256_set1_ps(en);
             const float *vn = vb + n * W + j0;
-            if (j0 == 0 && ahead) {   /* the values AHEAD bytes on, as transpose_slice the keys */
-                const char *next = (const char *)(vb + n * W) + AHEAD;
-                for (int64_t b = 0; b < W * 4; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-            }
+            if (j0 == 0 && ahead)
+                prefetch_ahead(vb + n * W, W * 4);
             if (nv == 8) {
 #pragma GCC unroll 8
                 for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vn + v * 8), a[v]);
@@ -269,8 +268,6 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
  * at `floor`, masked keys past `lead` times 0; [exp]; masked keys times 0 again, the sliced
  * value chains, their pairwise tree over the slices, and the division by the ones column. */
 
-/* q [T][KV*G][hd] (item j's row: row[j]), keys [KV][items][L][hd], pos[j]: item j sees keys
- * 0..pos[j]; out [KV][items][S][G][64] */
 /* AVX-512 forms of a decode slice's two GEMMs: the same chain for every score and every value
  * column (over d, resp. n, in order, from 0), so the same bits as score_slice and value_row;
  * what changes is the grouping: up to 4 query rows at once over 16 keys (or 16 value columns)
@@ -338,10 +335,8 @@ K512 static inline __attribute__((always_inline)) void value_tile512(
         for (int v = 0; v < nv; v++) a[r][v] = _mm512_setzero_ps();
     for (int64_t n = 0; n < SLICE; n++) {
         const float *vn = vb + n * W + j0;
-        if (j0 == 0 && ahead) {   /* the values AHEAD bytes on, as transpose_slice the keys */
-            const char *next = (const char *)(vb + n * W) + AHEAD;
-            for (int64_t b = 0; b < W * 4; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-        }
+        if (j0 == 0 && ahead)
+            prefetch_ahead(vb + n * W, W * 4);
         __m512 w[4];
         for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_ps(vn + v * 16);
         for (int r = 0; r < rows; r++) {
@@ -381,32 +376,56 @@ K512 static void value_rows512(const float *ec, int64_t C, const float *vb, floa
 
 /* the scores' post-processing for one item and one query row's slices (o [S][G][SLICE] at
  * row g): the maximum over keys 0..p, then s - max clamped at `floor`, and keys past `lead`
- * times 1 where visible, 0 where not. The scalar form in probity_decode_scores is the
- * reference; here 16 keys per vector. A maximum is exact, so its order changes no bit (a
+ * times 1 where visible, 0 where not */
+static void scores_post(float *o, int64_t S, int64_t G, int64_t g, int64_t p, int64_t lead, float floor)
+{
+    float top = -INFINITY;
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t k = 0; k < SLICE && s * SLICE + k <= p; k++) {
+            const float v = o[(s * G + g) * SLICE + k];
+            top = v > top ? v : top;
+        }
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t k = 0; k < SLICE; k++) {
+            const int64_t i = s * SLICE + k;
+            float v = o[(s * G + g) * SLICE + k] - top;
+            v = v < floor ? floor : v;
+            if (i >= lead) v = v * (i <= p ? 1.0f : 0.0f);
+            o[(s * G + g) * SLICE + k] = v;
+        }
+}
+
+/* which of 16 keys are visible when the first of them lies `left` positions before the row's
+ * own (left < 0: none; left >= 15: all), and v times 1 where visible, 0 where not */
+K512 static inline __mmask16 visible16(int64_t left)
+{
+    return left >= 15 ? (__mmask16)0xFFFF : left < 0 ? (__mmask16)0 : (__mmask16)((1u << (left + 1)) - 1);
+}
+
+K512 static inline __m512 times_visible16(__m512 v, int64_t left)
+{
+    return _mm512_mul_ps(v, _mm512_mask_blend_ps(visible16(left), _mm512_setzero_ps(), _mm512_set1_ps(1.0f)));
+}
+
+/* scores_post 16 keys per vector. A maximum is exact, so its order changes no bit (a
  * lane never keeps a NaN: `v > top ? v : top`, as the scalar loop). */
 K512 static void scores_post512(float *o, int64_t S, int64_t G, int64_t g, int64_t p, int64_t lead, float floor)
 {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t s = 0; s < S && s * SLICE <= p; s++)
         for (int64_t k0 = 0; k0 < SLICE && s * SLICE + k0 <= p; k0 += 16) {
-            const int64_t left = p - (s * SLICE + k0);
-            const __mmask16 vis = left >= 15 ? (__mmask16)0xFFFF : (__mmask16)((1u << (left + 1)) - 1);
             const __m512 v = _mm512_loadu_ps(o + (s * G + g) * SLICE + k0);
-            top = _mm512_mask_max_ps(top, vis, v, top);
+            top = _mm512_mask_max_ps(top, visible16(p - (s * SLICE + k0)), v, top);
         }
     const __m512 t = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    const __m512 fl = _mm512_set1_ps(floor), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512 fl = _mm512_set1_ps(floor);
     for (int64_t s = 0; s < S; s++)
         for (int64_t k0 = 0; k0 < SLICE; k0 += 16) {
             float *at = o + (s * G + g) * SLICE + k0;
             __m512 v = _mm512_max_ps(fl, _mm512_sub_ps(_mm512_loadu_ps(at), t));  /* v < floor ? floor : v */
             const int64_t i0 = s * SLICE + k0;
-            if (i0 >= lead) {   /* lead is a multiple of SLICE: a vector is wholly past it or not */
-                const int64_t left = p - i0;
-                const __mmask16 vis = left >= 15 ? (__mmask16)0xFFFF
-                                    : left < 0 ? (__mmask16)0 : (__mmask16)((1u << (left + 1)) - 1);
-                v = _mm512_mul_ps(v, _mm512_mask_blend_ps(vis, zero, one));
-            }
+            if (i0 >= lead)   /* lead is a multiple of SLICE: a vector is wholly past it or not */
+                v = times_visible16(v, p - i0);
             _mm512_storeu_ps(at, v);
         }
 }
@@ -415,15 +434,12 @@ K512 static void scores_post512(float *o, int64_t S, int64_t G, int64_t g, int64
  * 1 where visible (i <= p), 0 where not */
 K512 static void mask_slice512(float *ec, int64_t i0, int64_t p)
 {
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < SLICE; k0 += 16) {
-        const int64_t left = p - (i0 + k0);
-        const __mmask16 vis = left >= 15 ? (__mmask16)0xFFFF
-                            : left < 0 ? (__mmask16)0 : (__mmask16)((1u << (left + 1)) - 1);
-        _mm512_storeu_ps(ec + k0, _mm512_mul_ps(_mm512_loadu_ps(ec + k0), _mm512_mask_blend_ps(vis, zero, one)));
-    }
+    for (int64_t k0 = 0; k0 < SLICE; k0 += 16)
+        _mm512_storeu_ps(ec + k0, times_visible16(_mm512_loadu_ps(ec + k0), p - (i0 + k0)));
 }
 
+/* q [T][KV*G][hd] (item j's row: row[j]), keys [KV][items][L][hd], pos[j]: item j sees keys
+ * 0..pos[j]; out [KV][items][S][G][64] */
 void probity_decode_scores(const float *q, const int64_t *row, const float *keys, const int64_t *pos,
                            float *out, int64_t KV, int64_t items, int64_t G, int64_t L, int64_t hd,
                            float scale, int64_t lead, float floor)
@@ -445,23 +461,11 @@ void probity_decode_scores(const float *q, const int64_t *row, const float *keys
                 score_slice(qs, G, keys + (hj * L + s * SLICE) * hd, hd, o + s * G * SLICE, kt);
         }
         const int64_t p = pos[j];
-        for (int64_t g = 0; g < G && wide; g++)
-            scores_post512(o, S, G, g, p, lead, floor);
-        for (int64_t g = 0; g < G && !wide; g++) {
-            float top = -INFINITY;
-            for (int64_t s = 0; s < S; s++)
-                for (int64_t k = 0; k < SLICE && s * SLICE + k <= p; k++) {
-                    const float v = o[(s * G + g) * SLICE + k];
-                    top = v > top ? v : top;
-                }
-            for (int64_t s = 0; s < S; s++)
-                for (int64_t k = 0; k < SLICE; k++) {
-                    const int64_t i = s * SLICE + k;
-                    float v = o[(s * G + g) * SLICE + k] - top;
-                    v = v < floor ? floor : v;
-                    if (i >= lead) v = v * (i <= p ? 1.0f : 0.0f);
-                    o[(s * G + g) * SLICE + k] = v;
-                }
+        for (int64_t g = 0; g < G; g++) {
+            if (wide)
+                scores_post512(o, S, G, g, p, lead, floor);
+            else
+                scores_post(o, S, G, g, p, lead, floor);
         }
     }
 }
@@ -480,20 +484,21 @@ void probity_decode_values(float *e, const float *vals, const int64_t *pos, floa
         float *ph = part + hj * S * G * W;
         const int wide = probity_cpu_avx512() && (W - 1) % 16 == 0;
         for (int64_t s = 0; s < S; s++) {
+            const float *vb = vals + (hj * L + s * SLICE) * W;
+            if (wide) {
+                for (int64_t g = 0; g < G && s * SLICE >= lead; g++)
+                    mask_slice512(eh + (s * G + g) * SLICE, s * SLICE, p);
+                value_rows512(eh + s * G * SLICE, G, vb, ph + s * G * W, W);
+                continue;
+            }
             for (int64_t g = 0; g < G; g++) {
                 float *ec = eh + (s * G + g) * SLICE;
-                if (wide && s * SLICE >= lead)
-                    mask_slice512(ec, s * SLICE, p);
-                else if (!wide)
-                    for (int64_t k = 0; k < SLICE; k++) {
-                        const int64_t i = s * SLICE + k;
-                        if (i >= lead) ec[k] = ec[k] * (i <= p ? 1.0f : 0.0f);
-                    }
-                if (!wide)
-                    value_row(ec, vals + (hj * L + s * SLICE) * W, ph + (s * G + g) * W, W, g == 0);
+                for (int64_t k = 0; k < SLICE; k++) {
+                    const int64_t i = s * SLICE + k;
+                    if (i >= lead) ec[k] = ec[k] * (i <= p ? 1.0f : 0.0f);
+                }
+                value_row(ec, vb, ph + (s * G + g) * W, W, g == 0);
             }
-            if (wide)
-                value_rows512(eh + s * G * SLICE, G, vals + (hj * L + s * SLICE) * W, ph + s * G * W, W);
         }
         /* attention.tree_sum: halves folded onto the first, a count that is not a power of two
          * treated as zero-padded to one */

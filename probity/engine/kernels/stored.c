@@ -441,7 +441,7 @@ A512 static inline __attribute__((always_inline)) void wide_tile512(
 A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t N, int64_t K,
                          int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy)
 {
-    const int64_t panels = (N + 15) / 16, pairs = (panels + 1) / 2, pb = K / 32 * probity_group_bytes(type);
+    const int64_t gb = probity_group_bytes(type), panels = (N + 15) / 16, pairs = (panels + 1) / 2, pb = K / 32 * gb;
     /* equal chunks of whole tiles: with collapse(2) static, each thread gets an equal share */
     const int64_t chunks = (M + WIDE_MC - 1) / WIDE_MC;
     const int64_t mc = ((M + chunks - 1) / chunks + WIDE_MR - 1) / WIDE_MR * WIDE_MR;
@@ -475,7 +475,6 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
                 /* what this thread reads next: the pair's next block, or the next pair's first */
                 const int64_t nk0 = k1 < K ? k1 : 0, nj = k1 < K ? j : j + 2;
                 const int64_t nk1 = nk0 + kb < K ? nk0 + kb : K;
-                const int64_t gb = probity_group_bytes(type);
                 const char *pf0 = (const char *)(packed + nj * pb + nk0 / 32 * gb);
                 const char *pf1 = nj + 1 < panels ? pf0 + pb : pf0;
                 int64_t pfn = nj < panels ? ((nk1 - nk0) / 32 * gb + 63) / 64 : 0;
