@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .engine.flags import EngineFlags
 from .protocol import MAX_LOGPROBS
+from .server.grammar_bounds import Bounds
 
 ROOT = Path(__file__).resolve().parent.parent  # the folder holding the probity package
 
@@ -63,6 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine output one non-streamed response may assemble (echo, logprobs tables); beyond it "
                         "400 response_too_large and the work is cancelled. Streamed responses are not bound by it")
     EngineFlags.add_to(s)
+    g = Bounds()
+    s.add_argument("--grammar-max-nodes", type=int, default=g.nodes,
+                   help="a grammar's schema nodes, Lark/GBNF rules and alternatives, regex characters (400 "
+                        "grammar_too_large above; every grammar bound: docs/api.md)")
+    s.add_argument("--grammar-max-properties", type=int, default=g.properties,
+                   help="object properties named in one JSON schema")
+    s.add_argument("--grammar-max-choices", type=int, default=g.choices,
+                   help="choice entries, or enum entries in one JSON schema")
+    s.add_argument("--grammar-max-repeat", type=int, default=g.repeat,
+                   help="a grammar's repetitions in all: minItems/maxItems, minProperties/maxProperties, "
+                        "regex and Lark {m,n} as expanded")
+    s.add_argument("--grammar-max-depth", type=int, default=g.depth, help="subschemas or groups nested in a grammar")
+    s.add_argument("--grammar-compile-seconds", type=float, default=10.0,
+                   help="time the grammar worker may take to compile one grammar")
+    s.add_argument("--grammar-compile-mib", type=int, default=1024,
+                   help="memory the grammar worker may add to compile one grammar")
     s.add_argument("--max-restarts", type=int, default=5,
                    help="engine crashes in a row (without a READY between) before the server stops restarting it")
     s.add_argument("--backend", choices=["probity", "vllm"], default="probity",
@@ -106,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"probity: {flags.problem()}")
     if not args.max_response_mib > 0:
         sys.exit("probity: --max-response-mib must be above 0")
+    bounds = (args.grammar_max_nodes, args.grammar_max_properties, args.grammar_max_choices, args.grammar_max_repeat,
+              args.grammar_max_depth, args.grammar_compile_mib)
+    if min(bounds) < 1 or not args.grammar_compile_seconds > 0:
+        sys.exit("probity: the --grammar-max-* and --grammar-compile-* bounds must be above 0")
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         sys.exit(f"probity: --max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's own limit)")
 
@@ -113,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from .server.app import create_app
     from .server.service import Config
+    from .server.grammar_check import GrammarCheck
     from .server.validation import Limits
 
     try:
@@ -131,7 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         max_restarts=args.max_restarts, max_body=args.max_body, body_timeout=args.body_timeout,
         allowed_hosts=args.allowed_host, cors_origins=args.cors_origin,
         limits=Limits(args.max_logprobs, args.max_batch_members, args.batch_prompt_tokens,
-                      args.batch_completion_tokens, int(args.max_response_mib * (1 << 20))),
+                      args.batch_completion_tokens, int(args.max_response_mib * (1 << 20)),
+                      GrammarCheck(Bounds(args.grammar_max_nodes, args.grammar_max_properties,
+                                          args.grammar_max_choices, args.grammar_max_repeat, args.grammar_max_depth),
+                                   args.grammar_compile_seconds, args.grammar_compile_mib)),
         engine_args=engine_args, engine_command=engine_command)
     from .server.http11 import DeadlineH11Protocol
 

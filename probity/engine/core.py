@@ -10,10 +10,12 @@ what runs the model: `admit` (take a request's choices), `step` (run once, then 
 request), and its figures (`stats`, `timings`, READY's model facts)."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import queue
 import time
 import traceback
+from dataclasses import dataclass
 
 from .. import protocol as P
 from ..protocol import finite_or_none
@@ -26,6 +28,13 @@ from .vocab import Vocab
 from .work import Refusal, parse_generate, run_op
 
 STATS_EVERY = 1.0  # seconds between STATS frames while there is work
+
+
+@dataclass
+class Compiled:
+    """In the inbox: request `id`'s grammar has compiled (or failed to): `future.result()`."""
+    id: int
+    future: concurrent.futures.Future
 
 
 class EngineCore:
@@ -48,6 +57,7 @@ class EngineCore:
         self.concurrency = 1
         self.batch_invariant = self.prefix_cache = False
         self.grammars = None  # engine/grammar.py Grammars where the backend applies grammars
+        self.compiling: dict[int, Request] = {}  # requests whose grammar is being compiled
 
     # ------------------------------------------------------------ what a backend provides
     def new_choice(self, req: Request, member: int, choice: int) -> Choice:
@@ -116,7 +126,7 @@ class EngineCore:
         while True:
             if not self.requests:
                 busy = False
-                if self.shutting_down:
+                if self.shutting_down and not self.compiling:
                     os._exit(0)
                 self.handle(self.inbox.get())
             self.poll()  # a CANCEL takes effect before the next step
@@ -137,6 +147,8 @@ class EngineCore:
     def handle(self, item: P.Frame | Refused) -> None:
         if isinstance(item, Refused):
             self.refuse(item.id, item.refusal)
+        elif isinstance(item, Compiled):
+            self.compiled(item)
         elif item.kind == "SUBMIT":
             self.submit(item.id, item.payload)
         elif item.kind == "CANCEL":
@@ -167,7 +179,7 @@ class EngineCore:
         self.out.send("ERROR", rid, r.payload())
 
     def submit(self, rid: int, p: dict) -> None:
-        if rid == 0 or rid in self.requests:
+        if rid == 0 or rid in self.requests or rid in self.compiling:
             self.refuse(rid, Refusal("BAD_REQUEST", "request id 0 or already in use", "id"))
             return
         if self.shutting_down:
@@ -204,13 +216,38 @@ class EngineCore:
                 if sampling.max_tokens == 0 and c > 0:
                     q.finish_reason = "length"  # echo only: choice 0 scores the prompt, the others have nothing to do
                 req.choices.append(q)
+        matcher = None
         if sampling.grammar is not None:
             if self.grammars is None:
                 raise Refusal("BAD_REQUEST", "this engine does not apply grammars", "grammar")
+            matcher = self.grammars.cached(sampling.grammar)
+            if matcher is None:  # compiled beside the step; the request starts when it is ready
+                self.compiling[rid] = req
+                self.grammars.compile(sampling.grammar).add_done_callback(
+                    lambda f: self.inbox.put(Compiled(rid, f)))
+                return
+        self.start_request(req, matcher)
+
+    def compiled(self, item: Compiled) -> None:
+        req = self.compiling.pop(item.id, None)
+        if req is None:
+            return  # cancelled while it compiled
+        try:
+            m, cost = item.future.result()
+            self.start_request(req, self.grammars.keep(req.sampling.grammar, m, cost))
+        except Refusal as r:
+            self.refuse(item.id, r)
+        except Exception as e:
+            log(f"request {item.id} failed before acceptance: {traceback.format_exc()}")
+            self.refuse(item.id, Refusal("INTERNAL", f"{type(e).__name__}: {e}"))
+
+    def start_request(self, req: Request, matcher) -> None:
+        """Admit a request (its choices' matchers `matcher`, a compiled grammar's fresh
+        matcher, and copies of it) and ACCEPT it."""
+        rid, sampling, prompts = req.id, req.sampling, req.prompts
+        if matcher is not None:
             for q in req.choices:
-                q.matcher = self.grammars.matcher(sampling.grammar)
-            if req.choices:
-                self.grammars.check_start(req.choices[0].matcher)
+                q.matcher = matcher if q is req.choices[0] else matcher.deep_copy()
         self.admit(req)
         self.requests[rid] = req
         self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": c}
@@ -223,6 +260,9 @@ class EngineCore:
             self.done(req)
 
     def cancel(self, rid: int) -> None:
+        if self.compiling.pop(rid, None) is not None:
+            self.answer(rid, "ERROR", {"code": "CANCELLED", "message": "cancelled by the server"})
+            return
         req = self.requests.pop(rid, None)
         if req is None:
             return  # already answered; the server drops anything late

@@ -53,9 +53,10 @@ class Engine(EngineCore):
         self.concurrency = flags.max_running
         self.batch_invariant, self.prefix_cache = True, flags.prefix_cache
         self.forward_passes = 0
-        self.grammars = Grammars(loaded.tokenizer, self.runner.vocab_size, self.vocab.eos_ids)
+        self.grammars = Grammars(loaded.tokenizer, self.runner.vocab_size, self.vocab.eos_ids,
+                                 cache_bytes=int(flags.grammar_cache_mib * (1 << 20)))
         release_freed_memory()   # loading's and calibration's temporaries, before memory is measured
-        self._memory = self.runner.memory()
+        self._memory = {**self.runner.memory(), "grammar_cache_max": self.grammars.cache_bytes}
         log("memory: " + ", ".join(f"{k} {v / (1 << 30):.2f} GiB" for k, v in self._memory.items()))
 
     # ------------------------------------------------------------ the core's hooks
@@ -91,7 +92,8 @@ class Engine(EngineCore):
         return {"active": len(s.running), "waiting": len(s.waiting), "forward_passes": self.forward_passes,
                 "preemptions": s.preemptions, "prefix_query_tokens": s.query_tokens,
                 "prefix_hit_tokens": s.hit_tokens, "kv_blocks_used": pool.used, "kv_blocks_total": pool.num_blocks - 1,
-                "resident_bytes": resident_bytes()}
+                "resident_bytes": resident_bytes(), "grammar_cache_bytes": self.grammars.cached_bytes,
+                "grammar_cache_entries": self.grammars.cached_entries}
 
     def timings(self, req: Request) -> dict:
         return {"queue_s": (req.t_first or time.monotonic()) - req.t_submit,

@@ -16,6 +16,7 @@ class EngineFlags:
     threads: int | None = None     # torch threads (None: every core)
     kept_keys_gib: float = 1.0     # probity's engine: one decode group's gathered keys, kept between steps
     heap_keep_gib: float = 1.0     # probity's engine: free heap kept mapped (glibc's trim threshold)
+    grammar_cache_mib: float = 256.0  # probity's engine: compiled grammars kept, by their measured memory
 
     HELP = {
         "max_running": "sequences the engine runs at once",
@@ -27,6 +28,8 @@ class EngineFlags:
         "kept_keys_gib": "the largest decode group's gathered keys kept between steps, at most (scratch; 0: none)",
         "heap_keep_gib": "free heap the engine keeps mapped instead of returning it to the OS (glibc's trim "
                          "threshold; a step's temporaries reuse it instead of faulting pages in again)",
+        "grammar_cache_mib": "memory the engine's compiled grammars may hold, as measured when each was compiled "
+                             "(least recently used dropped first)",
     }
 
     def problem(self) -> str | None:
@@ -35,8 +38,8 @@ class EngineFlags:
             return "--max-running and --step-tokens must be at least 1"
         if not self.kv_cache_gib > 0:
             return "--kv-cache-gib must be above 0"
-        if self.kept_keys_gib < 0 or self.heap_keep_gib < 0:
-            return "--kept-keys-gib and --heap-keep-gib must be at least 0"
+        if self.kept_keys_gib < 0 or self.heap_keep_gib < 0 or self.grammar_cache_mib < 0:
+            return "--kept-keys-gib, --heap-keep-gib and --grammar-cache-mib must be at least 0"
         if self.threads is not None and self.threads < 1:
             return "--threads must be at least 1"
         return None
@@ -47,7 +50,7 @@ class EngineFlags:
         out: list[str] = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if v == f.default or (not memory_knobs and f.name in ("kept_keys_gib", "heap_keep_gib")):
+            if v == f.default or (not memory_knobs and f.name in ("kept_keys_gib", "heap_keep_gib", "grammar_cache_mib")):
                 continue
             if f.name == "prefix_cache":
                 out.append("--no-prefix-cache")

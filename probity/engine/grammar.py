@@ -6,28 +6,31 @@ The mask only decides what can be drawn. The values reported for a token (tables
 model's raw distribution, computed before any mask, so a constrained token's logprob is the
 same float the unconstrained model gives it (docs/api.md, Structured outputs).
 
+A grammar is compiled in a thread of its own, beside the step (llguidance drops the GIL): its
+request waits, the others keep stepping, and it joins the batch when its grammar is ready.
 Compiled grammars are cached by their text (a fresh matcher is a deep copy of the cached one,
-microseconds). The masks of a step are computed by llguidance's own thread pool while the
-forward runs: the matchers' states are known before it starts, and llguidance drops the GIL."""
+microseconds), the cache bounded by the memory each took to compile, as measured then (glibc's
+bytes in use before and after). The masks of a step are computed by llguidance's own thread pool
+while the forward runs: the matchers' states are known before it starts."""
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import threading
 
 import llguidance
 import llguidance.hf
 import torch
 
-from ..protocol import grammar_limits
+from ..protocol import grammar_limits, grammar_reason
 from .work import Refusal
 
-CACHE_GRAMMARS = 64           # compiled grammars kept (least recently used dropped first)
 DEAD_END = "grammar_dead_end"  # the finish of a choice whose grammar allows no token at all
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], cache_bytes: int = 256 << 20):
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._eos = eos_ids
@@ -37,7 +40,12 @@ class Grammars:
         # engine's startup, so the first constrained request does not stall every other one
         self._building = threading.Thread(target=self._build, name="probity-lltokenizer", daemon=True)
         self._building.start()
-        self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
+        # grammar -> (its compiled matcher, the bytes compiling it took)
+        self._cache: collections.OrderedDict[str, tuple[llguidance.LLMatcher, int]] = collections.OrderedDict()
+        self.cache_bytes = cache_bytes
+        self.cached_bytes = 0
+        self._freed = 0   # bytes dropped from the cache since the heap was last trimmed
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probity-grammar")
         self._executor: llguidance.LLExecutor | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probity-masks")
         self.words = (vocab_size + 31) // 32
@@ -57,18 +65,49 @@ class Grammars:
             raise Refusal("INTERNAL", f"llguidance cannot read this tokenizer: {self._error}", "grammar")
         return self._lltok
 
-    def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A fresh matcher for `grammar`, or Refusal BAD_REQUEST naming `grammar`."""
-        m = self._cache.get(grammar)
-        if m is None:
+    @property
+    def cached_entries(self) -> int:
+        return len(self._cache)
+
+    def cached(self, grammar: str) -> llguidance.LLMatcher | None:
+        """A fresh matcher for `grammar` if it is compiled already (the cache's order refreshed)."""
+        hit = self._cache.get(grammar)
+        if hit is None:
+            return None
+        self._cache.move_to_end(grammar)
+        return hit[0].deep_copy()
+
+    def compile(self, grammar: str) -> concurrent.futures.Future:
+        """Compile `grammar` beside the step; `.result()` is (matcher, bytes) or raises Refusal
+        BAD_REQUEST naming `grammar` (the library's reason on one line, as the server says it).
+        Pass the result to `keep` on the engine's own thread."""
+        return self._compiler.submit(self._compile, grammar)
+
+    def _compile(self, grammar: str) -> tuple[llguidance.LLMatcher, int]:
+        before = heap_in_use()
+        try:
             m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=grammar_limits())
-            if m.is_error():
-                raise Refusal("BAD_REQUEST", f"the grammar does not compile: {m.get_error()}", "grammar")
-            self._cache[grammar] = m
-            while len(self._cache) > CACHE_GRAMMARS:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(grammar)
+        except BaseException as e:  # a Rust panic arrives as a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise Refusal("BAD_REQUEST", f"the grammar does not compile: {grammar_reason(str(e))}", "grammar") from None
+        if m.is_error():
+            raise Refusal("BAD_REQUEST", f"the grammar does not compile: {grammar_reason(m.get_error())}", "grammar")
+        self.check_start(m)
+        return m, max(heap_in_use() - before, len(grammar))
+
+    def keep(self, grammar: str, m: llguidance.LLMatcher, cost: int) -> llguidance.LLMatcher:
+        """Cache a compiled grammar (least recently used dropped past the bound); a fresh matcher."""
+        if grammar not in self._cache and cost <= self.cache_bytes:
+            self._cache[grammar] = (m, cost)
+            self.cached_bytes += cost
+            while self.cached_bytes > self.cache_bytes:
+                _, (_, old) = self._cache.popitem(last=False)
+                self.cached_bytes -= old
+                self._freed += old
+            if self._freed >= 16 << 20:   # hand what the dropped grammars held back to the kernel
+                self._freed = 0
+                self._compiler.submit(trim_heap)
         return m.deep_copy()
 
     def check_start(self, m: llguidance.LLMatcher) -> None:
@@ -77,8 +116,8 @@ class Grammars:
         refers to itself does) -- so such a request is refused before ACCEPT, not ended later.
         (Computing a mask moves no matcher forward; a matcher it puts in error is refused.)"""
         if not any(m.compute_bitmask()) or m.is_error():
-            why = m.get_error() or "no token can begin it"
-            raise Refusal("BAD_REQUEST", f"the grammar admits no output: {why}"[:2000], "grammar")
+            why = grammar_reason(m.get_error() or "no token can begin it")
+            raise Refusal("BAD_REQUEST", f"the grammar admits no output: {why}", "grammar")
 
     # ------------------------------------------------------------ masks
     def start_masks(self, matchers: list[llguidance.LLMatcher]) -> concurrent.futures.Future | None:
@@ -111,3 +150,35 @@ def renormalised(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     differences, and their probabilities sum to 1. One row at a time, so batch-invariant."""
     m = lp.masked_fill(~mask, -torch.inf)
     return m - torch.logsumexp(m, -1)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(k, ctypes.c_size_t) for k in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo2
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def heap_in_use() -> int:
+    """Bytes malloc has handed out and not had back (glibc's mallinfo2: heap plus mmapped
+    chunks), whatever is kept mapped; the resident set where the C library is another."""
+    if _LIBC is None:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def trim_heap() -> None:
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

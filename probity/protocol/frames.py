@@ -106,7 +106,8 @@ _kind("READY", "engine", 1 * MiB, Obj({
     # bytes the engine holds, by part (what each part is: docs/engine.md, Memory)
     "memory": Obj({}, {k: Int() for k in ("weights_onednn", "weights_kernels", "weights_stored", "weights_scratch",
                                           "weights_other",
-                                          "kv_pool", "hidden_pool", "echo_cache", "kept_keys_max", "resident")}),
+                                          "kv_pool", "hidden_pool", "echo_cache", "kept_keys_max", "resident",
+                                          "grammar_cache_max")}),
 }))
 _kind("ACCEPT", "engine", 64 * KiB, Obj({
     "members": List(Obj({"prompt_tokens": Int(), "cached_tokens": Int()}), MAX_MEMBERS, 1),
@@ -137,7 +138,7 @@ _kind("STATS", "engine", 64 * KiB, Obj({}, {
     "prefix_query_tokens": Int(), "prefix_hit_tokens": Int(), "preemptions": Int(),
     # now
     "kv_blocks_used": Int(), "kv_blocks_total": Int(),
-    "resident_bytes": Int(),
+    "resident_bytes": Int(), "grammar_cache_bytes": Int(), "grammar_cache_entries": Int(),
 }))
 for _name in ("GRPP", "GRPG", "GRPS", "GRPE"):
     _kind(_name, "engine", 1 * MiB, lambda v, p: None if type(v) is dict else _fail(p, "expected object"),

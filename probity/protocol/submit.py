@@ -108,6 +108,16 @@ def grammar_limits():
                                      step_max_items=50_000, verbose_errors=False)
 
 
+def grammar_reason(message: str) -> str:
+    """The library's reason for refusing a grammar, on one line: a Rust panic's text without
+    its backtrace and markup (both sides refuse with this, so the same grammar reads the same)."""
+    text = message.replace("<non-verbose/>", " ").split("<backtrace>")[0]
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    if line.startswith("panic: "):
+        line = "the grammar library failed on it (" + line[len("panic: "):] + ")"
+    return line[:500] or "no reason given"
+
+
 def choice_seed(seed: int, choice: int) -> int:
     """The seed of choice `choice` of n: choice 0 uses the seed itself, so n=1 and the first of n
     choices agree; the others are spread by the golden-ratio constant. In [0, 2^64)."""

@@ -18,9 +18,11 @@ from .pieces import TextBuilder, build_pieces
 from .capabilities import check_capabilities
 from .errors import APIError
 from .generation import Generation, Source, run_op
-from .structured import check_keys
+from .grammar_check import GrammarCheck
+from .structured import DEFAULT_CHECK, check_keys
 from .tools import Tools, ToolText, calls_of, in_use, parse_tools
-from .validation import _bool, _check_keys, _integer, _model, _number, _stop, _type, parse_messages, text_content
+from .validation import (_bool, _check_keys, _integer, _model, _number, _stop, _type, off_loop, parse_messages,
+                         text_content)
 
 if TYPE_CHECKING:
     from .service import Service
@@ -47,7 +49,7 @@ class MessagesRequest:
     tools: Tools | None = None
 
 
-def _anthropic_tools(body: dict, fmt: str) -> Tools | None:
+def _anthropic_tools(body: dict, fmt: str, gc: GrammarCheck = DEFAULT_CHECK) -> Tools | None:
     """Anthropic's tools and tool_choice in OpenAI's shape (structured.Tools)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and type(choice) is not dict:
@@ -92,7 +94,7 @@ def _anthropic_tools(body: dict, fmt: str) -> Tools | None:
                 raise _type("tool_choice.disable_parallel_tool_use", "a boolean")
             parallel = not d
     try:
-        return parse_tools(openai, oc, parallel, fmt)
+        return parse_tools(openai, oc, parallel, fmt, gc)
     except APIError as e:  # OpenAI's names of the same fields -> Anthropic's
         if e.param:
             e.param = (e.param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
@@ -191,7 +193,8 @@ def _messages_and_system(body: dict) -> list[dict]:
     return messages
 
 
-def parse_messages_request(body: dict, served: str, vocab_size: int, fmt: str = "hermes") -> MessagesRequest:
+def parse_messages_request(body: dict, served: str, vocab_size: int, fmt: str = "hermes",
+                           gc: GrammarCheck = DEFAULT_CHECK) -> MessagesRequest:
     _check_keys(body, MESSAGE_FIELDS, MESSAGE_REFUSED)
     model = _model(body, served)
     if body.get("max_tokens") is None:
@@ -205,9 +208,9 @@ def parse_messages_request(body: dict, served: str, vocab_size: int, fmt: str = 
                  temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
                  top_p=_number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
                  top_k=_integer(body, "top_k", 0, 0, vocab_size))
-    tools = _anthropic_tools(body, fmt)
+    tools = _anthropic_tools(body, fmt, gc)
     if tools is not None and tools.forced:
-        s = dataclasses.replace(s, grammar=tools.grammar())
+        s = dataclasses.replace(s, grammar=tools.grammar(gc))
     stream = _bool(body, "stream", False)
     meta = body.get("metadata")
     if meta is not None:
@@ -250,7 +253,8 @@ def _tool_use(text: str, tools: Tools | None, finish: str) -> tuple[str, list[di
 async def messages(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     m = info["model"]
-    req = parse_messages_request(body, m["id"], m["vocab_size"], info["capabilities"].get("tool_format", "hermes"))
+    req = await off_loop(parse_messages_request, body, m["id"], m["vocab_size"],
+                         info["capabilities"].get("tool_format", "hermes"), svc.limits.grammar)
     check_capabilities(info, chat=True, grammar=req.sampling.grammar is not None)
     payload = P.generate_payload([{"messages": req.messages}], req.sampling,
                                  tools=req.tools.wire() if in_use(req.tools) else None)
@@ -401,7 +405,7 @@ async def count_tokens(svc: Service, request: Request, body: dict):
     _check_keys(body, COUNT_TOKENS_FIELDS, {k: MESSAGE_REFUSED[k] for k in ("thinking",)})
     _model(body, info["model"]["id"])
     check_capabilities(info, chat=True)
-    tools = _anthropic_tools(body, info["capabilities"].get("tool_format", "hermes"))
+    tools = await off_loop(_anthropic_tools, body, info["capabilities"].get("tool_format", "hermes"), svc.limits.grammar)
     op = {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}], "add_special_tokens": False,
           "count_only": True}
     if in_use(tools):

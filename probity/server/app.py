@@ -34,6 +34,7 @@ def create_app(config: Config) -> FastAPI:
         # The server listens only once the model is loaded: a model that cannot load is a
         # startup error (non-zero exit), never a server that answers 503 forever.
         await svc.engine.start()
+        svc.limits.grammar.start()   # the grammar worker imports beside the engine's load
         try:
             await svc.engine.wait_first_ready()
         except EngineStartFailed as e:
@@ -42,6 +43,7 @@ def create_app(config: Config) -> FastAPI:
             os._exit(3)
         yield
         await svc.engine.stop()
+        svc.limits.grammar.close()
 
     app = FastAPI(title="probity", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI- and Anthropic-compatible inference server with exact instrumentation. "

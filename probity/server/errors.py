@@ -20,6 +20,7 @@ CODES: dict[str, tuple[int, str, str]] = {
     "batch_completion_budget_exceeded": (400, "invalid_request_error", "invalid_request_error"),
     "engine_capability_missing": (400, "invalid_request_error", "invalid_request_error"),
     "invalid_grammar": (400, "invalid_request_error", "invalid_request_error"),
+    "grammar_too_large": (400, "invalid_request_error", "invalid_request_error"),
     "invalid_schema": (400, "invalid_request_error", "invalid_request_error"),
     "response_too_large": (400, "invalid_request_error", "invalid_request_error"),
     "invalid_api_key": (401, "authentication_error", "authentication_error"),

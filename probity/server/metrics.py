@@ -41,6 +41,9 @@ ENGINE_GAUGES = (
     ("active", "probity_num_requests_running", "Sequences in the engine's running batch."),
     ("waiting", "probity_num_requests_waiting", "Sequences submitted to the engine and waiting to run."),
     ("tokens_per_s", "probity_engine_tokens_per_second", "Tokens sampled per second since the previous report."),
+    ("grammar_cache_bytes", "probity_engine_grammar_cache_bytes",
+     "Memory the engine's compiled grammars hold, as measured when each was compiled."),
+    ("grammar_cache_entries", "probity_engine_grammar_cache_entries", "Compiled grammars the engine keeps."),
 )
 
 
@@ -97,8 +100,27 @@ class EngineFigures:
                                     value=used / total)
 
 
+class GrammarFigures:
+    """The server's grammar check (grammar_check.GrammarCheck): its verdict cache and its worker."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def collect(self):
+        c = self.check
+        yield GaugeMetricFamily("probity_grammar_verdicts_cached_bytes",
+                                "Bytes the server's cached grammar verdicts hold.", value=c.cached_bytes)
+        yield GaugeMetricFamily("probity_grammar_verdicts_cached", "Grammar verdicts the server keeps.",
+                                value=c.cached)
+        yield CounterMetricFamily("probity_grammar_compiles", "Grammars the server's compile worker checked.",
+                                  value=c.compiled)
+        yield CounterMetricFamily("probity_grammar_workers_replaced",
+                                  "Grammar compile workers ended by their time or memory limit, and replaced.",
+                                  value=c.workers_replaced)
+
+
 class Metrics:
-    def __init__(self, admission, engine):
+    def __init__(self, admission, engine, grammar=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.routes: list = []  # the app's route table, set once the app exists
@@ -135,6 +157,8 @@ class Metrics:
               registry=r).set_function(lambda: admission.active)
         self.engine = EngineFigures(engine)
         r.register(self.engine)
+        if grammar is not None:
+            r.register(GrammarFigures(grammar))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

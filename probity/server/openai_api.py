@@ -16,7 +16,7 @@ from .capabilities import check_capabilities
 from .generation import Generation, Source
 from .responses import json_answer
 from .tools import ToolText, calls_of, in_use
-from .validation import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from .validation import ChatRequest, CompletionRequest, off_loop, parse_chat, parse_completion
 
 if TYPE_CHECKING:
     from .service import Service
@@ -36,7 +36,7 @@ def usage(done: dict) -> dict:
 async def completions(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     m = info["model"]
-    req = parse_completion(body, m["id"], m["vocab_size"], svc.limits)
+    req = await off_loop(parse_completion, body, m["id"], m["vocab_size"], svc.limits)
     s = req.sampling
     check_capabilities(info, logprobs=s.logprobs, echo=s.echo, ids=any("ids" in x for x in req.members),
                        seed=s.seed is not None, members=len(req.members), choices=s.n, grammar=s.grammar is not None)
@@ -133,7 +133,8 @@ async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict)
 async def chat_completions(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
     m = info["model"]
-    req = parse_chat(body, m["id"], m["vocab_size"], svc.limits, info["capabilities"].get("tool_format", "hermes"))
+    req = await off_loop(parse_chat, body, m["id"], m["vocab_size"], svc.limits,
+                         info["capabilities"].get("tool_format", "hermes"))
     s = req.sampling
     k = req.top_logprobs
     check_capabilities(info, logprobs=s.logprobs, seed=s.seed is not None, chat=True, choices=s.n,

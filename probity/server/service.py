@@ -39,7 +39,7 @@ class Service:
                                    engine_args=config.engine_args, command=config.engine_command,
                                    on_ready=self._engine_ready, on_stats=self._engine_stats)
         self.admission = Admission(capacity=1, max_queue=config.max_queue, timeout=config.queue_timeout)
-        self.metrics = Metrics(self.admission, self.engine)
+        self.metrics = Metrics(self.admission, self.engine, self.limits.grammar)
 
     def _engine_ready(self, info: dict) -> None:
         self.admission.capacity = info["concurrency"]

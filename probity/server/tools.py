@@ -12,7 +12,10 @@ from typing import Any
 import llguidance
 
 from .errors import APIError
-from .structured import JSON_STYLE, _obj, _str, _strict_problems, check, check_keys, check_name, json_grammar
+from .grammar_bounds import check_lark
+from .grammar_check import GrammarCheck
+from .structured import (DEFAULT_CHECK, JSON_STYLE, _obj, _str, _strict_problems, check, check_keys, check_name,
+                         json_grammar)
 
 MAX_TOOLS = 128
 
@@ -37,9 +40,9 @@ class Tools:
     def wire(self) -> str:
         return json.dumps(self.tools, ensure_ascii=False, separators=(",", ":"))
 
-    def grammar(self) -> str | None:
+    def grammar(self, gc: GrammarCheck = DEFAULT_CHECK) -> str | None:
         """The grammar of a forced call: every output parses to calls of the allowed functions
-        whose arguments match their parameters' schema."""
+        whose arguments match their parameters' schema (its bounds count all of them together)."""
         if not self.forced:
             return None
         fns = [t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.named]
@@ -58,10 +61,12 @@ class Tools:
         else:
             raise APIError("unsupported_value", f"tool_choice {self.choice!r} cannot be enforced for this model's "
                            f"tool-call format ({self.fmt}); use \"auto\"", "tool_choice")
-        return check(llguidance.LLMatcher.grammar_from_lark(f"{start}\n{rule}\nobj: {obj}\n"), "tools")
+        text = f"{start}\n{rule}\nobj: {obj}\n"
+        check_lark(text, "tools", gc.bounds)
+        return check(llguidance.LLMatcher.grammar_from_lark(text), "tools", gc)
 
 
-def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools | None:
+def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str, gc: GrammarCheck = DEFAULT_CHECK) -> Tools | None:
     """OpenAI's tools, tool_choice and parallel_tool_calls, or a named 400."""
     if tool_choice is not None and type(tool_choice) not in (str, dict):
         raise APIError("invalid_type", "'tool_choice' must be a string or an object", "tool_choice")
@@ -95,12 +100,18 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str) -> Tools 
             fn["description"] = _str(f["description"], f"{w}.function.description", allow_empty=True)
         params = f.get("parameters")
         if params is not None:
-            params = _obj(params, f"{w}.function.parameters")
+            where = f"{w}.function.parameters"
+            params = _obj(params, where)
+            if params.get("type", "object") != "object":  # as OpenAI: a call's arguments are an object
+                raise APIError("invalid_schema", f"'{where}' must be a JSON schema of type \"object\", not "
+                               f"{json.dumps(params['type'])}", where)
             if f.get("strict") is True:
                 problem = _strict_problems(params)
                 if problem:
-                    raise APIError("invalid_schema", f"'{w}.function.parameters' {problem}", f"{w}.function.parameters")
-            json_grammar(params, f"{w}.function.parameters")
+                    raise APIError("invalid_schema", f"'{where}' {problem}", where)
+            # compiled alone, as the arguments of a call: a schema that admits no output
+            # (one that only refers to itself) is refused here, not ended by grammar_dead_end
+            json_grammar(params, where, gc)
             fn["parameters"] = params
         else:
             fn["parameters"] = {"type": "object", "properties": {}}

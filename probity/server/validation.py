@@ -2,12 +2,15 @@
 the result. Every accepted field is listed in docs/api.md with its range."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.concurrency import run_in_threadpool
 
 from .. import protocol as P
 from ..protocol import Sampling
 from .errors import APIError
+from .grammar_check import GrammarCheck
 from .structured import check_keys, response_format, structured_outputs
 from .tools import Tools, parse_tools
 
@@ -20,6 +23,18 @@ class Limits:
     batch_prompt_tokens: int = 65536
     batch_completion_tokens: int = 65536
     max_response_bytes: int = 64 << 20  # engine frames one non-streamed response may assemble
+    grammar: GrammarCheck = field(default_factory=GrammarCheck)  # grammar bounds and the compile worker
+
+
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools")
+
+
+async def off_loop(parse, body: dict, *args):
+    """parse(body, *args), in a thread where the body holds a grammar: its compile check waits
+    on the grammar worker, and the event loop (every other route) must not wait with it."""
+    if any(body.get(k) is not None for k in GRAMMAR_FIELDS):
+        return await run_in_threadpool(parse, body, *args)
+    return parse(body, *args)
 
 
 @dataclass
@@ -246,7 +261,7 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     max_tokens = _integer(body, "max_tokens", 16, 0, P.MAX_TOKENS)
     if max_tokens == 0 and not echo:
         raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
-    grammar, grammar_param = _grammar(body)
+    grammar, grammar_param = _grammar(body, limits.grammar)
     s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, grammar=grammar,
                  constrained_logprobs=_constrained(body, grammar), **fields)
     stream, include_usage = _stream(body)
@@ -333,10 +348,10 @@ CHAT_REFUSED = {
 ROLES = P.ROLES
 
 
-def _grammar(body: dict) -> tuple[str | None, str | None]:
+def _grammar(body: dict, gc: GrammarCheck) -> tuple[str | None, str | None]:
     """response_format or structured_outputs (one of them) as (grammar text, the field it came
     from), or (None, None)."""
-    rf, so = response_format(body.get("response_format")), structured_outputs(body.get("structured_outputs"))
+    rf, so = response_format(body.get("response_format"), gc), structured_outputs(body.get("structured_outputs"), gc)
     if rf is not None and so is not None:
         raise APIError("invalid_value", "give response_format or structured_outputs, not both", "structured_outputs")
     return rf or so or (None, None)
@@ -356,13 +371,14 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
     _check_keys(body, CHAT_FIELDS, CHAT_REFUSED)
     model = _model(body, served)
     messages = parse_messages(body.get("messages"), tools=True)
-    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), tool_format)
-    grammar, grammar_param = _grammar(body)
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), tool_format,
+                        limits.grammar)
+    grammar, grammar_param = _grammar(body, limits.grammar)
     if tools is not None and tools.forced:
         if grammar is not None:
             raise APIError("invalid_value", f"tool_choice {tools.choice!r} decides the output's form: it cannot be "
                            "combined with response_format or structured_outputs", "tool_choice")
-        grammar, grammar_param = tools.grammar(), "tool_choice"
+        grammar, grammar_param = tools.grammar(limits.grammar), "tool_choice"
     pl = body.get("prompt_logprobs")
     if pl is not None and (not _is_int(pl) or not 0 <= pl <= limits.max_logprobs):
         raise (_type if not _is_int(pl) else _value)("prompt_logprobs", f"an integer in [0, {limits.max_logprobs}]")
