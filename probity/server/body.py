@@ -11,6 +11,7 @@ from starlette.requests import Request
 from ..protocol import strict_json
 from .errors import APIError
 
+DRAIN = 64 << 20  # bytes of an oversized body read (and dropped) before its 413 is sent
 MAX_DEPTH = 64  # nesting levels of arrays/objects; the deepest real body (messages[i].content[j]) has 4
 # The rest of an unread body would be taken for the next request: answer and close, so
 # the client sees the end at the deadline rather than when keep-alive expires.
@@ -21,7 +22,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 async def read_json(request: Request, cap: int, deadline: float = 30.0) -> dict:
     _check_media_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > cap:
+    over = declared is not None and declared.isdigit() and int(declared) > cap
+    if over and int(declared) > DRAIN:  # not worth reading: answered at once
         raise APIError("request_too_large", f"request body exceeds {cap} bytes", headers=_CLOSE)
     chunks: list[bytes] = []
 
@@ -29,13 +31,20 @@ async def read_json(request: Request, cap: int, deadline: float = 30.0) -> dict:
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > cap:
-                raise APIError("request_too_large", f"request body exceeds {cap} bytes", headers=_CLOSE)
-            chunks.append(chunk)
+            if size <= cap and not over:
+                chunks.append(chunk)
+            elif size > DRAIN:
+                break
+        # past the cap the rest is read and dropped (up to DRAIN bytes) before the 413: a client
+        # still sending when the socket closes would get a reset, not the answer
+        if over or size > cap:
+            raise APIError("request_too_large", f"request body exceeds {cap} bytes", headers=_CLOSE)
 
     try:
         await asyncio.wait_for(read(), deadline)
     except asyncio.TimeoutError:
+        if over:
+            raise APIError("request_too_large", f"request body exceeds {cap} bytes", headers=_CLOSE) from None
         raise APIError("request_timeout", f"the request body did not arrive within {deadline:g}s",
                        headers=_CLOSE) from None
     return parse(b"".join(chunks))

@@ -22,6 +22,7 @@ from ..protocol import grammar_limits, grammar_reason
 from .grammar_bounds import Bounds
 
 OK, INVALID, TOO_LARGE = "ok", "invalid", "too_large"
+STARTUP_S = 30.0   # a new worker's import of llguidance, before its first grammar
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,12 @@ class GrammarCheck:
                 return v
             if self._worker is None:
                 self._worker = _Worker(self.mib)
-            v = self._worker.compile(grammar, self.seconds)
+            try:
+                v = self._worker.compile(grammar, self.seconds)
+            except WorkerFailed:   # the server's fault, not the grammar's: a 500, and a new worker next time
+                self._worker.close()
+                self._worker = None
+                raise
             self.compiled += 1
             if v.kind == TOO_LARGE:   # the worker was killed or died: a fresh one for the next grammar
                 self._worker.close()
@@ -101,6 +107,10 @@ def _cost(grammar: str, v: Verdict) -> int:
     return len(grammar.encode()) + len(v.reason) + 200
 
 
+class WorkerFailed(RuntimeError):
+    pass
+
+
 class _Worker:
     """One compile process (this module run as a program) and the pipes to it: a grammar's
     UTF-8 text in, a JSON verdict out, each after its 4-byte length."""
@@ -109,13 +119,16 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "probity.server.grammar_check", str(mib)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      close_fds=True)
-        self.fresh = True
+        self.ready = False
 
     def compile(self, grammar: str, seconds: float) -> Verdict:
-        grace, self.fresh = (10.0 if self.fresh else 0.0), False  # a new worker imports llguidance first
         try:
+            if not self.ready:  # it says so once it has imported llguidance: that is not the grammar's time
+                if not select.select([self.proc.stdout], [], [], STARTUP_S)[0] or _read(self.proc.stdout) != b"ready":
+                    raise WorkerFailed("the grammar worker did not start")
+                self.ready = True
             _write(self.proc.stdin, grammar.encode())
-            if not select.select([self.proc.stdout], [], [], seconds + grace)[0]:
+            if not select.select([self.proc.stdout], [], [], seconds)[0]:
                 return Verdict(TOO_LARGE, "time")
             kind, reason = json.loads(_read(self.proc.stdout))
             return Verdict(kind, reason)
@@ -169,6 +182,7 @@ def _serve(mib: int) -> None:
     # what it holds now, plus the budget; an allocation past it aborts this process alone
     resource.setrlimit(resource.RLIMIT_AS, (_virtual_bytes() + (mib << 20), resource.RLIM_INFINITY))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    _write(stdout, b"ready")
     while True:
         try:
             grammar = _read(stdin).decode()
