@@ -48,6 +48,8 @@ class Source:
     def attribute(self, err: APIError) -> APIError:
         if err.param == "grammar" and self.grammar:
             err.param = self.grammar
+            if err.code == "invalid_value":   # the engine's compile: the server's own code for it
+                err.code = "invalid_grammar"
             return err
         if err.param and (err.param.startswith("members") or err.param in ("max_prompt_tokens", "ids")):
             err.param = (f"{self.param}[{err.member}]" if self.is_array and err.member is not None
