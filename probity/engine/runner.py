@@ -4,6 +4,7 @@ token is sampled from), in chunks of at most `head_rows` rows, so peak memory is
 flags and not by the request."""
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from .sequence import Sequence
 
 PROBE_ROWS = 512              # attention's row floor is measured against calls at least this wide
 PAD_ROWS = 32                 # the multiple a general-path step is padded to where its modules need it
+NUMERICS_PROBE = 48           # tokens of the fixed sequence whose numbers the fingerprint digests
 INVARIANCE_COUNTS = 64        # the general path's rows are compared at every count up to this ...
 INVARIANCE_WIDE = 128         # ... with the same rows of a forward this wide
 KEPT_KEYS_BYTES = 1 << 30     # default: at most this much of one decode group's gathered keys is kept between steps
@@ -109,6 +111,19 @@ class ModelRunner:
         if hasattr(model, "reference"):   # the general path: measure that it is exact here
             self._check_fidelity()
             self._check_invariance()
+
+    def numerics_digest(self) -> str:
+        """The raw bits of this engine's numbers on a fixed sequence (NUMERICS_PROBE tokens drawn
+        from seed 3, run whole, every position's log-softmax over the vocabulary), as a digest:
+        what the weights, the kernels, the libraries and their instruction-set path make of it.
+        A forward's rows are bit-identical at any row count, chunking and batch (the engine's
+        invariance), so one forward stands for every step; two engines whose digests differ give
+        different numbers, and the fingerprint says so."""
+        gen = torch.Generator().manual_seed(3)
+        n = min(NUMERICS_PROBE, (self.scratch - 1) * self.block_size)
+        ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
+        lp = torch.log_softmax(self.model.logits(self._probe_rows([ids])).float(), -1)
+        return hashlib.sha256(lp.contiguous().numpy().tobytes()).hexdigest()[:8]
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

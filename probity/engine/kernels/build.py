@@ -84,6 +84,8 @@ def build(constants: dict[str, int]) -> Path:
 
 def load(constants: dict[str, int]) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library, None), or (None, why it is not there)."""
+    if os.environ.get("PROBITY_ISA") == "generic":
+        return None, "PROBITY_ISA=generic holds the engine to torch's own paths"
     if not _cpu_has(*REQUIRES):
         return None, "this CPU lacks AVX2/FMA/F16C"
     try:

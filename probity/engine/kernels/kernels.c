@@ -18,6 +18,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* The shared constants come from kernels/build.py (-D), which takes them from the Python side,
  * so each is written once: PANEL (outputs per packed weight panel), SLICE (attention's key
@@ -275,13 +277,17 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
  * steps cannot, and a key or value vector is loaded once for all the rows. */
 #define K512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
 
-/* whether this CPU runs the AVX-512 code of both sources (stored.c's kernels too) */
+/* whether the AVX-512 code of both sources (stored.c's kernels too) runs: this CPU has it and
+ * PROBITY_ISA (engine/isa.py) does not hold the engine to a narrower path */
 int probity_cpu_avx512(void)
 {
     static int known = -1;
-    if (known < 0)
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+    if (known < 0) {
+        const char *isa = getenv("PROBITY_ISA");
+        known = (isa == NULL || *isa == 0 || strcmp(isa, "avx512") == 0)
+                && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                 && __builtin_cpu_supports("avx512vl");
+    }
     return known;
 }
 
