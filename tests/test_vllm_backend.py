@@ -84,7 +84,7 @@ def test_fingerprint_names_the_backend_and_the_model(vllm_server, default_server
     ours = complete(vllm_server, prompt="Hi", max_tokens=1)["system_fingerprint"]
     theirs = complete(default_server, prompt="Hi", max_tokens=1)["system_fingerprint"]
     import re
-    assert re.fullmatch(r"fp_[0-9a-f]{12}_vllm-0\.32\.0_float32_tp1", ours), ours
+    assert re.fullmatch(r"fp_[0-9a-f]{12}_vllm-0\.32\.0_float32_tp1_batch-variant", ours), ours
     assert ours.split("_")[1] == theirs.split("_")[1]  # the same weights: the GGUF's hash
 
 

@@ -55,7 +55,7 @@ def chosen(value: str | None = None, flags: set[str] | None = None) -> str:
     if not value:
         return native(flags)
     if value not in PATHS:
-        raise IsaError(f"{VARIABLE}={value!r} is not a path: one of {', '.join(PATHS)}")
+        raise IsaError(f"{VARIABLE}={value} is not a path: one of {', '.join(PATHS)}")
     missing = [f for f in PATHS[value][0] if f not in flags]
     if missing:
         raise IsaError(f"{VARIABLE}={value}: this CPU cannot run that path (it lacks {', '.join(missing)}); "

@@ -58,7 +58,9 @@ class VllmEngine(EngineCore):
         self.dtype = str(mc.dtype).removeprefix("torch.")
         pc = llm.vllm_config.parallel_config
         par = f"tp{pc.tensor_parallel_size}" + (f"pp{pc.pipeline_parallel_size}" if pc.pipeline_parallel_size > 1 else "")
-        self.fingerprint = f"fp_{digest[:12]}_vllm-{vllm.__version__}_{self.dtype}_{par}"
+        # "batch-variant": vLLM's kernels batch and chunk, so its numbers may depend on what runs
+        # beside a sequence; the fingerprint says so (probity's own engine's never do)
+        self.fingerprint = f"fp_{digest[:12]}_vllm-{vllm.__version__}_{self.dtype}_{par}_batch-variant"
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
         self.model_id, self.source, self.concurrency = model_id, source, concurrency
         # vLLM's kernels batch and chunk: a sequence's numbers may move in the last bits with
