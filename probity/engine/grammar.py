@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import os
 import threading
 
 import llguidance
@@ -45,7 +46,9 @@ class Grammars:
         self.cache_bytes = cache_bytes
         self.cached_bytes = 0
         self._freed = 0   # bytes dropped from the cache since the heap was last trimmed
-        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probity-grammar")
+        # at a low priority: a compile takes what the step leaves of the cores, not the reverse
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probity-grammar",
+                                                               initializer=_lower_priority)
         self._executor: llguidance.LLExecutor | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probity-masks")
         self.words = (vocab_size + 31) // 32
@@ -150,6 +153,17 @@ def renormalised(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     differences, and their probabilities sum to 1. One row at a time, so batch-invariant."""
     m = lp.masked_fill(~mask, -torch.inf)
     return m - torch.logsumexp(m, -1)
+
+
+COMPILE_NICE = 10
+
+
+def _lower_priority() -> None:
+    """This thread alone at nice COMPILE_NICE (on Linux a thread's priority is its own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import re
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from ..protocol import strict_json
 from .errors import APIError
 
 DRAIN = 64 << 20  # bytes of an oversized body read (and dropped) before its 413 is sent
+OFF_LOOP = 256 << 10  # bodies larger than this are parsed in a thread
 MAX_DEPTH = 64  # nesting levels of arrays/objects; the deepest real body (messages[i].content[j]) has 4
 # The rest of an unread body would be taken for the next request: answer and close, so
 # the client sees the end at the deadline rather than when keep-alive expires.
@@ -47,7 +49,10 @@ async def read_json(request: Request, cap: int, deadline: float = 30.0) -> dict:
             raise APIError("request_too_large", f"request body exceeds {cap} bytes", headers=_CLOSE) from None
         raise APIError("request_timeout", f"the request body did not arrive within {deadline:g}s",
                        headers=_CLOSE) from None
-    return parse(b"".join(chunks))
+    raw = b"".join(chunks)
+    if len(raw) > OFF_LOOP:   # parsing a few MB takes tens of ms: beside the event loop, not on it
+        return await run_in_threadpool(parse, raw)
+    return parse(raw)
 
 
 def parse(raw: bytes) -> dict:
