@@ -120,7 +120,8 @@ class ModelRunner:
         invariance), so one forward stands for every step; two engines whose digests differ give
         different numbers, and the fingerprint says so."""
         gen = torch.Generator().manual_seed(3)
-        n = min(NUMERICS_PROBE, (self.scratch - 1) * self.block_size)
+        # (run whole in one step: a step budget below it probes fewer tokens, so its digest differs)
+        n = min(NUMERICS_PROBE, (self.scratch - 1) * self.block_size, self.max_rows)
         ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
         lp = torch.log_softmax(self.model.logits(self._probe_rows([ids])).float(), -1)
         return hashlib.sha256(lp.contiguous().numpy().tobytes()).hexdigest()[:8]
