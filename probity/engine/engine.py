@@ -15,6 +15,7 @@ from .request import Choice, Request
 from .flags import EngineFlags
 from . import isa, kernels
 from .grammar import Grammars, allowed, renormalised
+from .heap import keep_freed_memory, release_freed_memory
 from .loader import Loaded
 from .log import log
 from .model import UnsupportedModel
@@ -178,43 +179,6 @@ class Engine(EngineCore):
         if table is not None and constrained:
             table = [(i, v) for i, v in table if v != -float("inf")]   # only what the grammar allowed
         self.accept_token(seq, token, lp[token].item(), table)
-
-
-def keep_freed_memory(keep_bytes: int = 1 << 30) -> None:
-    """glibc hands large freed blocks back to the kernel (munmap, heap trimming) and maps them
-    anew for the next allocation, so a step's temporaries (MBs each) fault their pages in again
-    every step, and how often depends on the allocation history: the same workload ran 8%
-    slower in one engine than in another. Allocations below 32 MiB come from the heap, and
-    the heap is not trimmed below `keep_bytes` of free space (--heap-keep-gib). Glibc only;
-    elsewhere nothing changes."""
-    libc = _glibc()
-    if libc is None:
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    libc.mallopt(M_TRIM_THRESHOLD, min(keep_bytes, 2**31 - 1))
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free space back to the kernel once (glibc's malloc_trim), after loading:
-    packing a checkpoint's blocks and calibrating leave GBs of freed temporaries in the heap
-    that keep_freed_memory's threshold would otherwise keep for good (a 7B Q4_K engine was
-    resident in 8.6 GiB for 4.3 GiB of weights, 4.8 after this). Steps then grow the heap
-    again up to what they use."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _glibc():
-    """glibc through ctypes, or None where the C library is another (its malloc tuning is
-    glibc's own)."""
-    import ctypes
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import ctypes
 import os
 import threading
 
@@ -25,6 +24,7 @@ import llguidance.hf
 import torch
 
 from ..protocol import grammar_limits, grammar_reason
+from .heap import heap_in_use, release_freed_memory
 from .work import Refusal
 
 DEAD_END = "grammar_dead_end"  # the finish of a choice whose grammar allows no token at all
@@ -110,7 +110,7 @@ class Grammars:
                 self._freed += old
             if self._freed >= 16 << 20:   # hand what the dropped grammars held back to the kernel
                 self._freed = 0
-                self._compiler.submit(trim_heap)
+                self._compiler.submit(release_freed_memory)
         return m.deep_copy()
 
     def check_start(self, m: llguidance.LLMatcher) -> None:
@@ -164,35 +164,3 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
     except (OSError, AttributeError):
         pass
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(k, ctypes.c_size_t) for k in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _libc():
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _Mallinfo2
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
-
-
-def heap_in_use() -> int:
-    """Bytes malloc has handed out and not had back (glibc's mallinfo2: heap plus mmapped
-    chunks), whatever is kept mapped; the resident set where the C library is another."""
-    if _LIBC is None:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-    info = _LIBC.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-def trim_heap() -> None:
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)

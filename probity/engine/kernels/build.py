@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ..isa import cpu_flags
 from ..cache_dir import cache_dir
 
 SOURCES = [Path(__file__).with_name(n) for n in ("kernels.c", "stored.c")]
@@ -44,12 +45,7 @@ SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
 
 
 def _cpu_has(*flags: str) -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
+    have = cpu_flags()
     return all(f in have for f in flags)
 
 
