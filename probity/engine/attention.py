@@ -9,8 +9,10 @@ reduced in the same order; masked positions contribute exact zeros, so the padde
 changes no bit. The slices' partial results are summed as a pairwise tree (a GEMM over the
 whole length changes its reduction with the length). Sequences whose new rows and key
 lengths fall in the same buckets share one batched GEMM (an AttnGroup, built by the runner);
-an item's query rows are padded by repeating its last row, up to the floor calibration
-measured on this CPU's kernels, so a row's result does not depend on its companions."""
+an item's query rows are padded by repeating its last row up to its bucket. Each score and
+each value sum is one FMA chain of the kernels (kernels.score_gemm, value_gemm) whatever the
+row count, and the exp is the kernels' (kernels.exp_), so a row's result does not depend on its
+companions, its padding or the CPU."""
 from __future__ import annotations
 
 import enum
@@ -105,7 +107,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, g: AttnGroup
     """The group's attention output for the step rows `g.dest`, [len(dest), H, hd], from every
     step row's queries q [T, H, hd] and the group's keys [KV, items, L, hd] and values
     [KV, items, L, hd+1] (a column of ones: the softmax denominator). `fused_decode`: a decode
-    group of one row per item runs in the kernel (calibration found it gives these bits).
+    group of one row per item runs in one kernel (the same operations, so the same bits).
     `window`: the layer sees only the last `window` positions; `softcap`: scores are squashed
     as cap * tanh(s / cap) before the softmax (Gemma 2)."""
     KV, hd = keys.shape[0], keys.shape[3]
@@ -140,7 +142,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, g: AttnGroup
         top = torch.maximum(top, s[:, :, :s0].amax((2, 4), keepdim=True))
     s.sub_(top).clamp_(min=EXP_FLOOR)
     tail.mul_(visible)
-    s.exp_()
+    kernels.exp_(s)
     tail.mul_(visible)
     # the value GEMM reduces over the keys in the same fixed slices, by absolute position: a
     # GEMM over the whole length may change its reduction with the length (it does on a

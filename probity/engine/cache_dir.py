@@ -1,5 +1,5 @@
 """Where the engine keeps what it derives once and reuses: converted models, the compiled
-kernel library, the startup calibration. `PROBITY_CACHE_DIR`, else `$XDG_CACHE_HOME/probity`,
+kernel libraries. `PROBITY_CACHE_DIR`, else `$XDG_CACHE_HOME/probity`,
 else `~/.cache/probity`."""
 from __future__ import annotations
 

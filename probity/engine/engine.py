@@ -20,6 +20,7 @@ from .loader import Loaded
 from .log import log
 from .model import UnsupportedModel
 from .model import build as build_model
+from .llama import LlamaModel
 from .model import path as model_path
 from .pipe import Writer, open_pipe
 from .runner import ModelRunner, kv_blocks, resident_bytes
@@ -30,13 +31,15 @@ from .sequence import Sequence, Status
 from .stop_text import StopText
 from .vocab import Vocab
 
-ENGINE_BUILD = "probity-engine-2"
+ENGINE_BUILD = "probity-engine-3"   # the numerics version: raised whenever an operation's order changes
 BLOCK_SIZE = 4
 
 
 class Engine(EngineCore):
     def __init__(self, loaded: Loaded, out: Writer, inbox: queue.Queue, flags: EngineFlags = EngineFlags()):
         super().__init__(out, inbox)
+        if kernels.lib() is None:   # they compute every number: there is no other path
+            raise isa.IsaError(f"probity's kernels could not be built or loaded here: {kernels.why_not()}")
         if flags.threads:
             torch.set_num_threads(flags.threads)
         t0 = time.monotonic()
@@ -51,16 +54,19 @@ class Engine(EngineCore):
         self.vocab = Vocab(loaded.tokenizer, self.runner.vocab_size)
         self.context_length = min(self.runner.context_length, self.scheduler.pool.capacity_tokens)
         self.model_id, self.source, self.dtype = loaded.model_id, loaded.source, "float32"
-        # what the numbers depend on: the weights, this engine's build, the instruction-set path
-        # (engine/isa.py), a digest of the numbers themselves on a fixed probe, the threads
+        # what the numbers depend on: the weights, this engine's numerics (ENGINE_BUILD), the
+        # dtype, and a digest of the numbers themselves on a fixed probe. probity's own forward
+        # computes one order on every instruction-set path and thread count, so they are not
+        # part of it; transformers' modules (the general path) compute some operations with
+        # torch's own kernels, whose order follows the path and the threads, so there they are.
         path = isa.chosen()
         isa.check_held(path)
         self.numerics = self.runner.numerics_digest()
-        log(f"instruction-set path: {path} (torch {torch.backends.cpu.get_cpu_capability()}, kernels "
-            f"{'none' if kernels.lib() is None else 'avx512' if kernels.lib().probity_cpu_avx512() else 'avx2'}); "
-            f"numbers digest {self.numerics}")
-        self.fingerprint = (f"fp_{loaded.digest[:12]}_{ENGINE_BUILD}_f32_{path}"
-                            f"_n{self.numerics}_t{torch.get_num_threads()}")
+        log(f"instruction-set path: {path} (torch {torch.backends.cpu.get_cpu_capability()}, kernels: "
+            f"{kernels.describe()}); numbers digest {self.numerics}")
+        general = not isinstance(model, LlamaModel) or kernels.lib() is None
+        self.fingerprint = (f"fp_{loaded.digest[:12]}_{ENGINE_BUILD.removeprefix('probity-')}_f32"
+                            + (f"_{path}_t{torch.get_num_threads()}" if general else "") + f"_n{self.numerics}")
         self.concurrency = flags.max_running
         self.batch_invariant, self.prefix_cache = True, flags.prefix_cache
         self.forward_passes = 0

@@ -24,6 +24,7 @@ import llguidance.hf
 import torch
 
 from ..protocol import grammar_limits, grammar_reason
+from . import kernels
 from .heap import heap_in_use, release_freed_memory
 from .work import Refusal
 
@@ -151,8 +152,7 @@ def renormalised(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A row's log-softmax restricted to the tokens its grammar allows and renormalised over
     them (the opt-in `constrained_logprobs`): the others -inf, the allowed keep their
     differences, and their probabilities sum to 1. One row at a time, so batch-invariant."""
-    m = lp.masked_fill(~mask, -torch.inf)
-    return m - torch.logsumexp(m, -1)
+    return kernels.log_softmax(lp.masked_fill(~mask, -torch.inf))
 
 
 COMPILE_NICE = 10

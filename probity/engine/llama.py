@@ -6,10 +6,12 @@ GEMMs, the kernels' norms and rotary); every other family takes transformers' ow
 
 Batch invariance is a property of this file and the pieces it calls: a row's result must not
 depend on which other rows share the step, where it sits among them, how its prompt was
-chunked, or whether it is computed in a prefill or in a decode. Linear layers are linear.py's
-(oneDNN prepacked, or the kernel that gives its bits), attention is attention.py's (fixed
-slices, a pairwise tree), and norms, rotary embeddings and activations work per row or per
-element (kernels.rms_norm, kernels.rotate). tests/test_invariance.py checks it bit for bit.
+chunked, or whether it is computed in a prefill or in a decode -- nor on the CPU it runs on.
+Every operation is one of probity's kernels, each one fixed sequence of float operations on
+every instruction-set path: linear.py's linears, attention.py's attention (fixed slices, a
+pairwise tree), and the per-row or per-element norms, rotary embedding with its cos/sin, and
+SiLU (kernels.rms_norm, rotate, cos_sin, silu_mul). tests/test_invariance.py checks it bit
+for bit, tests/test_numerics.py across paths.
 
 Families: Llama, Mistral, Qwen2, Qwen3 without sliding-window layers (their weights read from
 the transformers module); `serves(config)` says whether a config is one of them.
@@ -20,12 +22,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import stored
+from . import kernels, stored
 from .attention import AttnGroup, PagedKV
 from .stored import StoredWeight
-from .kernels import rms_norm, rotate
+from .kernels import cos_sin, rms_norm, rotate, silu_mul
 from .linear import Linear
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -87,9 +88,10 @@ def _joined(weights, names: list[str], biases: list[str] | None = None) -> Linea
 
 
 def _linear_weight(t):
-    """A linear layer's weight as probity keeps it: 16-bit tensors as stored, others float32."""
+    """A linear layer's weight as probity keeps it: 16-bit tensors as stored (where the build
+    keeps stored weights; else float32, the same values), others float32."""
     if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16):
-        return stored.from_tensor(t)
+        return stored.from_tensor(t) if kernels.stores() else t.float()
     return t
 
 
@@ -110,7 +112,7 @@ class LlamaModel:
         self.group = self.n_heads // self.n_kv
         self.eps = float(cfg.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.fused_decode = False  # a decode group's attention in the kernel: where calibration finds it gives these bits
+        self.fused_decode = False  # a decode group's attention in one kernel (the runner sets it where the build has it)
         embed = _linear_weight(weights.get("model.embed_tokens.weight"))
         self.embed = embed if isinstance(embed, StoredWeight) else embed.float()
         rot = LlamaRotaryEmbedding(cfg)
@@ -169,9 +171,9 @@ class LlamaModel:
         T = tokens.shape[0]
         h = self.embed.rows(tokens) if isinstance(self.embed, StoredWeight) else self.embed[tokens]
         freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling)[:, None, :]
-        sin = (emb.sin() * self.rope_scaling)[:, None, :]
+        c, s = cos_sin(freqs)
+        cos = (torch.cat((c, c), dim=-1) * self.rope_scaling)[:, None, :]
+        sin = (torch.cat((s, s), dim=-1) * self.rope_scaling)[:, None, :]
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)   # rotate()'s signed sin
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
@@ -188,9 +190,7 @@ class LlamaModel:
             attn = self.kv.attention(li, q, k, v, slots, groups, self.scale, self.fused_decode)
             h = layer.o(attn.reshape(T, H * hd), residual=h)
             x = rms_norm(h, layer.ln_post, self.eps)
-            gu = layer.gate_up(x)
-            inter = gu.shape[1] // 2
-            h = layer.down(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), residual=h)
+            h = layer.down(silu_mul(layer.gate_up(x)), residual=h)
         return rms_norm(h, self.norm, self.eps)
 
     @torch.inference_mode()

@@ -211,13 +211,14 @@ def load(model_arg: str) -> Loaded:
 
 def _stored_gguf(path: Path) -> bool:
     """A GGUF that probity's own forward reads as stored: its family, its tensor types, and
-    the kernels that expand them here (without them -- no AVX2, PROBITY_ISA=generic -- it is
-    converted to float32 once, the same values, and served as a float32 model)."""
+    the kernels that expand them here (without them -- the portable build: no AVX2,
+    PROBITY_ISA=generic -- it is converted to float32 once, the same values, and served as a
+    float32 model: the same numbers)."""
     from . import kernels
     from .checkpoint import STORED_ARCHITECTURES, gguf_architecture
     from .stored import TYPES
 
-    if kernels.lib() is None:
+    if not kernels.stores():
         return False
     arch, types = gguf_architecture(path)
     return arch in STORED_ARCHITECTURES and all(t == "F32" or t in TYPES for t in types)

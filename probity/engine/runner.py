@@ -10,16 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
 from .attention import KEY_ALIGN, AttnGroup, Kept, masks
-from .calibration import Calibrated, Calibration, calibrate
 from .kv_cache import EchoCache
-from .linear import release_scratch, scratch_bytes
 from .log import log
 from .model import UnsupportedModel
 from .tables import top_lists, with_chosen
 from .sequence import Sequence
 
-PROBE_ROWS = 512              # attention's row floor is measured against calls at least this wide
 PAD_ROWS = 32                 # the multiple a general-path step is padded to where its modules need it
 NUMERICS_PROBE = 48           # tokens of the fixed sequence whose numbers the fingerprint digests
 INVARIANCE_COUNTS = 64        # the general path's rows are compared at every count up to this ...
@@ -69,7 +67,7 @@ class ModelRunner:
     """`model`: a built model (models.build), whose KV pool this runner allocates."""
 
     def __init__(self, model, num_blocks: int, block_size: int, threads: int | None = None,
-                 head_rows: int = 128, max_rows: int = 512, calibration: Calibration | None = None,
+                 head_rows: int = 128, max_rows: int = 512,
                  kept_keys_bytes: int = KEPT_KEYS_BYTES):
         if threads:
             torch.set_num_threads(threads)
@@ -88,17 +86,11 @@ class ModelRunner:
         # sequences in the scratch block, the same objects every step
         self.pad_rows = 1
         self._pads = [_ProbeRow([0], [self.scratch]) for _ in range(PAD_ROWS - 1)]
-        # an item's attention rows: its new rows' row_bucket, at least the floor calibration
-        # measures on this CPU's kernels for every bucket a step of up to `max_rows` rows can
-        # use. The buckets measured always reach PROBE_ROWS, so engines with any step budget
-        # agree with each other (each gives every count from its floor the bits of a common
-        # wide call; a budget of 3 rows alone would compare narrow calls only with narrow calls)
         self.max_rows = max_rows
-        self.calibrated: Calibrated = calibrate(self.model, row_buckets(max(max_rows, PROBE_ROWS)), calibration)
-        for line in self.calibrated.describe():
-            log(line)
-        release_scratch(self.model.linears())
-        self.min_rows = self.calibrated.attention_floor
+        # a decode group's attention in one kernel where the build has it (the same operations
+        # as the general path: the same bits)
+        self.model.fused_decode = kernels.fused_decode()
+        log(f"numbers computed by: {kernels.describe()}")
         self.kept_keys_bytes = kept_keys_bytes
         self.vocab_size = self.model.vocab_size
         self.context_length = int(getattr(cfg.get_text_config(), "max_position_embeddings", None) or 2048)
@@ -123,7 +115,7 @@ class ModelRunner:
         # (run whole in one step: a step budget below it probes fewer tokens, so its digest differs)
         n = min(NUMERICS_PROBE, (self.scratch - 1) * self.block_size, self.max_rows)
         ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
-        lp = torch.log_softmax(self.model.logits(self._probe_rows([ids])).float(), -1)
+        lp = kernels.log_softmax(self.model.logits(self._probe_rows([ids])))
         return hashlib.sha256(lp.contiguous().numpy().tobytes()).hexdigest()[:8]
 
     def blocks_for(self, tokens: int) -> int:
@@ -152,7 +144,7 @@ class ModelRunner:
 
         m = self.model
         ids = m.reference_ids
-        ours = torch.log_softmax(m.logits(self._probe_rows([ids])).float(), -1)
+        ours = kernels.log_softmax(m.logits(self._probe_rows([ids])))
         ref = torch.log_softmax(m.reference, -1)
         rows, nxt = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
         top = torch.topk(ref, min(32, ref.shape[-1]), dim=-1).indices
@@ -203,12 +195,12 @@ class ModelRunner:
     def memory(self) -> dict[str, int]:
         """Bytes the engine holds, by part (docs/engine.md, Memory)."""
         m = self.model
-        parts = {"weights_onednn": 0, "weights_kernels": 0, "weights_stored": 0}
+        parts = {"weights_kernels": 0, "weights_stored": 0}
         for lin in {id(lin): lin for lin in m.linears()}.values():
             for k, v in lin.weight_bytes().items():
                 parts[k] += v
         other = sum(_nbytes(t) for t in {id(t): t for t in m.weight_tensors()}.values())
-        return {**parts, "weights_other": other, "weights_scratch": scratch_bytes(),
+        return {**parts, "weights_other": other,
                 "kv_pool": m.kv.nbytes(), "hidden_pool": _nbytes(self.hidden),
                 "echo_cache": self.echo.nbytes(), "kept_keys_max": self.kept_keys_bytes, "resident": resident_bytes()}
 
@@ -219,14 +211,12 @@ class ModelRunner:
         runs a few batched attention GEMMs instead of one per sequence. Grouping and padding
         change no bit: every row is computed the same way whatever its companions."""
         bs = self.block_size
-        # narrow attention GEMMs may take another kernel: every item gets at least min_rows
-        # rows (grouped-query heads count as GEMM rows), measured at startup
         assert all(n <= self.max_rows for _, n in batch), "a step's rows exceed the measured buckets"
         # each sequence's key blocks after this step, aligned to whole KEY_ALIGN slices
         nbs = [-(-self.blocks_for(seq.num_computed + n) // self.align) * self.align for seq, n in batch]
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, ((seq, n), nb) in enumerate(zip(batch, nbs)):
-            rows = max(self.min_rows, row_bucket(n))
+            rows = row_bucket(n)
             buckets.setdefault((rows, 1 << (nb - 1).bit_length() if nb > self.align else nb), []).append(i)
         specs = []
         for (rows, _), members in buckets.items():
@@ -361,7 +351,7 @@ class ModelRunner:
         result; echo rows become entries (value and table), stored in the echo cache and, where
         another sequence of the step shares them, in `computed`."""
         logits = self.model.logits(rows[torch.tensor([w.row for w in chunk])])
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = kernels.log_softmax(logits)
         echo_rows: dict[int, list[int]] = {}
         for j, w in enumerate(chunk):
             if w.sample:

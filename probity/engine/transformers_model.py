@@ -4,7 +4,7 @@ backend, but keeping the numbers exact and bit-for-bit invariant).
 
 What is replaced, so that a row's numbers cannot depend on its companions:
 - every linear layer (`nn.Linear` and its subclasses, GPT-2's `Conv1D`) by probity's Linear
-  (oneDNN prepacked, or the kernel that gives its bits; calibrated like the fast path's);
+  (the kernels' linear, every row count one order, as the fast path's);
 - the experts of a mixture-of-experts layer (3-D `gate_up_proj`/`down_proj` weights) by the
   same loop transformers runs, each expert's projections a probity Linear: an expert sees a
   different number of tokens every step, and its rows come out the same whatever that number;
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import stored
+from . import kernels, stored
 from .attention import AttnGroup, PagedKV
 from .linear import Linear
 
@@ -43,8 +43,11 @@ class Unsupported(Exception):
 # ---------------------------------------------------------------- plugged-in pieces
 
 def _kept(weight: torch.Tensor):
-    """A weight as probity keeps it: 16-bit as stored, anything else float32."""
-    return stored.from_tensor(weight) if weight.dtype in (torch.bfloat16, torch.float16) else weight
+    """A weight as probity keeps it: 16-bit as stored (where the build keeps stored weights; else
+    float32, the same values), anything else float32."""
+    if weight.dtype in (torch.bfloat16, torch.float16):
+        return stored.from_tensor(weight) if kernels.stores() else weight.float()
+    return weight
 
 
 class InvariantLinear(nn.Module):

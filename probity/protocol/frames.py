@@ -104,8 +104,7 @@ _kind("READY", "engine", 1 * MiB, Obj({
     "concurrency": Int(1, 4096),
 }, {
     # bytes the engine holds, by part (what each part is: docs/engine.md, Memory)
-    "memory": Obj({}, {k: Int() for k in ("weights_onednn", "weights_kernels", "weights_stored", "weights_scratch",
-                                          "weights_other",
+    "memory": Obj({}, {k: Int() for k in ("weights_kernels", "weights_stored", "weights_other",
                                           "kv_pool", "hidden_pool", "echo_cache", "kept_keys_max", "resident",
                                           "grammar_cache_max")}),
 }))

@@ -1,6 +1,9 @@
-"""Compiling and loading kernels.c and stored.c: once per source, flags and constants, into the cache
+"""Compiling and loading the kernels: once per source, flags and constants, into the cache
 directory (`make setup` does it ahead of time), with every C function's signature declared
-by name here.
+by name here. Two builds of one set of functions: the vector build (kernels.c, stored.c,
+numerics.c; AVX2 + FMA, with AVX-512 code it runs where the CPU and PROBITY_ISA allow) and the
+portable build (portable.c, numerics.c; plain x86-64), which PROBITY_ISA=generic and CPUs
+without AVX2/FMA/F16C load. Both give the same bits (docs/engine.md).
 
 The library links libgomp.so.1, so loaded after torch it resolves to torch's own OpenMP
 runtime: one thread pool, sized by torch.set_num_threads."""
@@ -16,9 +19,13 @@ from pathlib import Path
 from ..isa import cpu_flags
 from ..cache_dir import cache_dir
 
-SOURCES = [Path(__file__).with_name(n) for n in ("kernels.c", "stored.c")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
-REQUIRES = ("avx2", "fma", "f16c")   # CPU flags the code needs
+# build -> (its sources, its flags)
+BUILDS = {
+    "vector": (("kernels.c", "stored.c", "numerics.c"),
+               ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")),
+    "portable": (("portable.c", "numerics.c"), ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")),
+}
+REQUIRES = ("avx2", "fma", "f16c")   # CPU flags the vector build needs
 
 _p, _i, _f, _c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # name -> its parameters in order, (name, ctype): the Python wrappers (kernels/__init__.py)
@@ -34,6 +41,10 @@ SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
     "probity_decode_values": (("e", _p), ("vals", _p), ("pos", _p), ("part", _p), ("out", _p), ("KV", _i),
                               ("items", _i), ("G", _i), ("L", _i), ("hd", _i), ("lead", _i)),
     "probity_rms_norm": (("x", _p), ("w", _p), ("y", _p), ("T", _i), ("D", _i), ("eps", _f)),
+    "probity_exp": (("x", _p), ("y", _p), ("n", _i)),
+    "probity_silu_mul": (("gu", _p), ("ld", _i), ("out", _p), ("T", _i), ("I", _i)),
+    "probity_log_softmax": (("x", _p), ("ldx", _i), ("y", _p), ("ldy", _i), ("R", _i), ("V", _i)),
+    "probity_cos_sin": (("a", _p), ("c", _p), ("s", _p), ("n", _i)),
     "probity_rotate": (("x", _p), ("ldx", _i), ("cos", _p), ("sin", _p), ("out", _p), ("T", _i), ("heads", _i),
                        ("hd", _i)),
     "probity_expand": (("type", _c), ("packed", _p), ("N", _i), ("K", _i), ("out", _p)),
@@ -41,7 +52,9 @@ SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
     "probity_linear_stored": (("type", _c), ("x", _p), ("ldx", _i), ("M", _i), ("packed", _p), ("N", _i), ("K", _i),
                               ("kb", _i), ("bias", _p), ("res", _p), ("ldr", _i), ("y", _p), ("ldy", _i)),
 }
-
+# what the portable build lacks (the engine does not call them there)
+VECTOR_ONLY = ("probity_decode_scores", "probity_decode_values", "probity_expand", "probity_expand_rows",
+               "probity_linear_stored")
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -49,28 +62,42 @@ def _cpu_has(*flags: str) -> bool:
     return all(f in have for f in flags)
 
 
-def compile_flags(constants: dict[str, int]) -> list[str]:
-    return [*FLAGS, *(f"-D{k}={v}" for k, v in sorted(constants.items()))]
+def which() -> str:
+    """The build this process loads: portable under PROBITY_ISA=generic or on a CPU the vector
+    build cannot run on."""
+    if os.environ.get("PROBITY_ISA") == "generic" or not _cpu_has(*REQUIRES):
+        return "portable"
+    return "vector"
 
 
-def library_path(constants: dict[str, int]) -> Path:
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
-                         + " ".join(compile_flags(constants)).encode()).hexdigest()[:16]
-    return cache_dir("kernels") / f"kernels-{tag}.so"
+def _sources(kind: str) -> list[Path]:
+    return [Path(__file__).with_name(n) for n in BUILDS[kind][0]]
 
 
-def build(constants: dict[str, int]) -> Path:
-    """Compile kernels.c unless this source with these flags was compiled before (atomic: a
+def compile_flags(constants: dict[str, int], kind: str = "vector") -> list[str]:
+    return [*BUILDS[kind][1], *(f"-D{k}={v}" for k, v in sorted(constants.items()))]
+
+
+def library_path(constants: dict[str, int], kind: str | None = None) -> Path:
+    kind = kind or which()
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in _sources(kind))
+                         + " ".join(compile_flags(constants, kind)).encode()).hexdigest()[:16]
+    return cache_dir("kernels") / f"kernels-{kind}-{tag}.so"
+
+
+def build(constants: dict[str, int], kind: str | None = None) -> Path:
+    """Compile a build unless these sources with these flags were compiled before (atomic: a
     parallel build of the same file cannot leave a torn library)."""
-    out = library_path(constants)
+    kind = kind or which()
+    out = library_path(constants, kind)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run(["gcc", *compile_flags(constants), "-o", tmp, *map(str, SOURCES)], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(["gcc", *compile_flags(constants, kind), "-o", tmp, *map(str, _sources(kind)), "-lm"],
+                       check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -80,12 +107,9 @@ def build(constants: dict[str, int]) -> Path:
 
 def load(constants: dict[str, int]) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library, None), or (None, why it is not there)."""
-    if os.environ.get("PROBITY_ISA") == "generic":
-        return None, "PROBITY_ISA=generic holds the engine to torch's own paths"
-    if not _cpu_has(*REQUIRES):
-        return None, "this CPU lacks AVX2/FMA/F16C"
+    kind = which()
     try:
-        lib = ctypes.CDLL(str(build(constants)))
+        lib = ctypes.CDLL(str(build(constants, kind)))
     except subprocess.CalledProcessError as e:
         return None, f"gcc failed: {e.stderr.strip()[-300:]}"
     except FileNotFoundError as e:
@@ -93,6 +117,8 @@ def load(constants: dict[str, int]) -> tuple[ctypes.CDLL | None, str | None]:
     except OSError as e:   # an unwritable cache directory, a library that will not load
         return None, f"cannot build or load it: {e}"
     for name, params in SIGNATURES.items():
+        if kind == "portable" and name in VECTOR_ONLY:
+            continue
         fn = getattr(lib, name)
         fn.argtypes = [t for _, t in params]
         fn.restype = None
@@ -100,4 +126,9 @@ def load(constants: dict[str, int]) -> tuple[ctypes.CDLL | None, str | None]:
     lib.probity_group_bytes.restype = ctypes.c_int64
     lib.probity_stored_wide.argtypes = []
     lib.probity_stored_wide.restype = ctypes.c_int
+    lib.probity_cpu_avx512.argtypes = []
+    lib.probity_cpu_avx512.restype = ctypes.c_int
+    lib.probity_exp1.argtypes = [_f]
+    lib.probity_exp1.restype = _f
+    lib.portable = kind == "portable"
     return lib, None

@@ -86,11 +86,21 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+int probity_cpu_avx512(void);
+void probity_wide_f32(const float *x, int64_t ldx, int64_t M, const float *wp, int64_t N, int64_t K, int64_t kb,
+                      const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy);
+
 /* x [M, K] (row stride ldx), wp packed [ceil(N/16)][K][16], bias [N] or NULL,
- * res [M, N] (row stride ldr) or NULL, y [M, N] (row stride ldy). */
+ * res [M, N] (row stride ldr) or NULL, y [M, N] (row stride ldy). Calls of more than 32 rows go
+ * to stored.c's wide AVX-512 kernel where it runs (the same chains, a tile of 12 rows x 32
+ * outputs in zmm registers). */
 void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int64_t N, int64_t K,
                     int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy)
 {
+    if (M > 32 && K % 32 == 0 && probity_cpu_avx512()) {
+        probity_wide_f32(x, ldx, M, wp, N, K, kb, bias, res, ldr, y, ldy);
+        return;
+    }
     const int64_t nblocks = (N + NB - 1) / NB;
     /* With more than one row tile the first streams the panel from memory and the others
      * read it from cache, leaving memory idle: prefetching the next panel keeps it busy
@@ -204,12 +214,20 @@ static inline void score_slice(const float *qb, int64_t C, const float *kb, int6
 
 /* scores out[b][s][c][j] = sum_d q[b][c][d] * keys[b][s*64 + j][d], for a head dim that is a
  * multiple of 8 up to HD_MAX: q [B][C][hd], keys [B][S*64][hd], out [B][S][C][64] */
+#define K512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
+K512 static void score_slice512(const float *qb, int64_t C, const float *kb, int64_t hd, float *ob, float *kt);
+K512 static void value_rows512(const float *ec, int64_t C, const float *vb, float *oc, int64_t W);
+
 void probity_score(const float *q, const float *keys, float *out, int64_t B, int64_t S, int64_t C, int64_t hd)
 {
+    const int wide = probity_cpu_avx512();
 #pragma omp parallel for schedule(static) if (B * S * C >= 96)
     for (int64_t bs = 0; bs < B * S; bs++) {
-        float kt[HD_MAX * SLICE] __attribute__((aligned(32)));
-        score_slice(q + bs / S * C * hd, C, keys + bs * SLICE * hd, hd, out + bs * C * SLICE, kt);
+        float kt[HD_MAX * SLICE] __attribute__((aligned(64)));
+        if (wide)
+            score_slice512(q + bs / S * C * hd, C, keys + bs * SLICE * hd, hd, out + bs * C * SLICE, kt);
+        else
+            score_slice(q + bs / S * C * hd, C, keys + bs * SLICE * hd, hd, out + bs * C * SLICE, kt);
     }
 }
 
@@ -257,10 +275,16 @@ static inline void value_row(const float *ec, const float *vb, float *oc, int64_
  * e [B][S][C][64], vals [B][S*64][W], out [B][S][C][W] */
 void probity_value(const float *e, const float *vals, float *out, int64_t B, int64_t S, int64_t C, int64_t W)
 {
+    const int wide = probity_cpu_avx512() && (W - 1) % 16 == 0;
 #pragma omp parallel for schedule(static) if (B * S * C >= 96)
-    for (int64_t bs = 0; bs < B * S; bs++)
+    for (int64_t bs = 0; bs < B * S; bs++) {
+        if (wide) {
+            value_rows512(e + bs * C * SLICE, C, vals + bs * SLICE * W, out + bs * C * W, W);
+            continue;
+        }
         for (int64_t c = 0; c < C; c++)
             value_row(e + (bs * C + c) * SLICE, vals + bs * SLICE * W, out + (bs * C + c) * W, W, c == 0);
+    }
 }
 
 /* ---- a decode group's attention in two calls, torch's exp between them ------------------
@@ -275,7 +299,6 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
  * what changes is the grouping: up to 4 query rows at once over 16 keys (or 16 value columns)
  * per vector, so 12-16 independent chains hide the FMA latency that one row's chains of 64
  * steps cannot, and a key or value vector is loaded once for all the rows. */
-#define K512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
 
 /* whether the AVX-512 code of both sources (stored.c's kernels too) runs: this CPU has it and
  * PROBITY_ISA (engine/isa.py) does not hold the engine to a narrower path */

@@ -33,13 +33,14 @@ int probity_cpu_avx512(void);   /* kernels.c: whether the AVX-512 code runs on t
 #endif
 
 enum { T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_1 = 5, T_Q5_0 = 6, T_Q5_1 = 7, T_Q4_K = 8,
-       T_Q5_K = 9, T_Q6_K = 10 };
+       T_Q5_K = 9, T_Q6_K = 10, T_F32 = 11 };   /* T_F32: a float32 weight packed by kernels.pack (wide calls only) */
 
 /* bytes of one group of 16 rows x 32 values */
 int64_t probity_group_bytes(int type)
 {
     switch (type) {
     case T_F16: case T_BF16: return 1024;
+    case T_F32: return 2048;
     case T_Q8_0: return 32 + 512;
     case T_Q4_0: return 32 + 256;
     case T_Q4_1: return 64 + 256;
@@ -222,6 +223,7 @@ A512 static inline __m512 i8f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm5
 A512 static inline __attribute__((always_inline)) __m512 pos512(const int type, const uint8_t *g, const int j,
                                                                 const __m512 s, const __m512 m, const __m512 s1)
 {
+    if (type == T_F32) return _mm512_loadu_ps((const float *)(g + j * 64));
     if (type == T_F16) return h16(g + j * 32);
     if (type == T_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + j * 32))), 16));
@@ -469,7 +471,7 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
                 switch (type) {
                 WIDE_DECODE(T_F16) WIDE_DECODE(T_BF16) WIDE_DECODE(T_Q8_0) WIDE_DECODE(T_Q4_0)
                 WIDE_DECODE(T_Q4_1) WIDE_DECODE(T_Q5_0) WIDE_DECODE(T_Q5_1) WIDE_DECODE(T_Q4_K)
-                WIDE_DECODE(T_Q5_K) WIDE_DECODE(T_Q6_K)
+                WIDE_DECODE(T_Q5_K) WIDE_DECODE(T_Q6_K) WIDE_DECODE(T_F32)
                 default: break;
                 }
                 /* what this thread reads next: the pair's next block, or the next pair's first */
@@ -501,6 +503,14 @@ A512 static void wide512(int type, const float *x, int64_t ldx, int64_t M, const
 }
 
 int probity_stored_wide(void) { return probity_cpu_avx512(); }
+
+/* a float32 weight packed [ceil(N/16)][K][16] (kernels.pack; K a multiple of 32) through the wide
+ * kernel: its panels are T_F32 groups of 32 positions x 16 outputs */
+void probity_wide_f32(const float *x, int64_t ldx, int64_t M, const float *wp, int64_t N, int64_t K, int64_t kb,
+                      const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy)
+{
+    wide512(T_F32, x, ldx, M, (const uint8_t *)wp, N, K, kb, bias, res, ldr, y, ldy);
+}
 
 
 /* y = x W^T (+ b) (+ r) for x [M, K] and W stored as `type`: up to 6 rows fused (fused512),
