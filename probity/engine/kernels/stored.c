@@ -210,6 +210,149 @@ void probity_expand_rows(int type, const uint8_t *packed, int64_t K, const int64
 void probity_linear_tile(int mr, const float *x, int64_t ldx, const float *w, int64_t K, int64_t kb,
                          const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols);
 
+/* ---- AVX2: up to 6 rows over np panels, each position of 16 rows decoded into two registers
+ * right before the FMAs use it (no expanded copy in memory): decode_group's values (one IEEE op
+ * per element, in the reference's order; (s * q) + m as one FMA, exact as in pos512) and the
+ * float32 kernel's FMA chains, so the same bits. */
+static inline __attribute__((always_inline)) void pos256(const int type, const uint8_t *g, const int j,
+                                                         const __m256 *s, const __m256 *m, const __m256 *s1, __m256 *w)
+{
+    for (int v = 0; v < 2; v++) {
+        if (type == T_F16) { w[v] = f16x8((const uint16_t *)(g + j * 32) + v * 8); continue; }
+        if (type == T_BF16) {
+            w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + j * 32 + v * 16))), 16));
+            continue;
+        }
+        if (type == T_Q8_0) { w[v] = _mm256_mul_ps(s[v], i8x8((const int8_t *)g + 32 + j * 16 + v * 8)); continue; }
+        const int hdr = (type == T_Q4_0 || type == T_Q5_0) ? 32 : (type == T_Q4_K || type == T_Q5_K) ? 96 : 64;
+        const uint8_t *vals = g + hdr;
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vals + (j & 15) * 16 + v * 8)));
+        __m256i q = j < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(b, 4);
+        if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(vals + 256 + v * 32));
+            q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, j), _mm256_set1_epi32(1)), 4));
+        } else if (type == T_Q6_K) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(vals + 256 + (j < 16 ? 0 : 64) + v * 32));
+            q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * (j & 15)),
+                                                                      _mm256_set1_epi32(3)), 4));
+        }
+        switch (type) {
+        case T_Q4_0: w[v] = _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8)))); break;
+        case T_Q5_0: w[v] = _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16)))); break;
+        case T_Q4_1: case T_Q5_1: w[v] = _mm256_fmadd_ps(s[v], _mm256_cvtepi32_ps(q), m[v]); break;
+        case T_Q4_K: case T_Q5_K: w[v] = _mm256_fmsub_ps(s[v], _mm256_cvtepi32_ps(q), m[v]); break;
+        default: w[v] = _mm256_mul_ps(j < 16 ? s[v] : s1[v], _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32)))); break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void scales256(const int type, const uint8_t *g, __m256 *s, __m256 *m,
+                                                            __m256 *s1)
+{
+    for (int v = 0; v < 2; v++) {
+        switch (type) {
+        case T_Q8_0: case T_Q4_0: case T_Q5_0: s[v] = f16x8((const uint16_t *)g + v * 8); break;
+        case T_Q4_1: case T_Q5_1:
+            s[v] = f16x8((const uint16_t *)g + v * 8);
+            m[v] = f16x8((const uint16_t *)g + 16 + v * 8);
+            break;
+        case T_Q4_K: case T_Q5_K:
+            s[v] = _mm256_mul_ps(f16x8((const uint16_t *)g + v * 8), u8x8(g + 64 + v * 8));
+            m[v] = _mm256_mul_ps(f16x8((const uint16_t *)g + 16 + v * 8), u8x8(g + 80 + v * 8));
+            break;
+        case T_Q6_K: {
+            const __m256 d = f16x8((const uint16_t *)g + v * 8);
+            s[v] = _mm256_mul_ps(d, i8x8((const int8_t *)g + 32 + v * 8));
+            s1[v] = _mm256_mul_ps(d, i8x8((const int8_t *)g + 48 + v * 8));
+            break;
+        }
+        default: break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void fused256(
+    const int type, const int mr, const int np, const float *x, int64_t ldx, const uint8_t *panel, int64_t pb,
+    int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
+{
+    const int64_t gb = probity_group_bytes(type);
+    __m256 c[4][6][2];
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t k1 = k0 + kb < K ? k0 + kb : K;
+        __m256 a[4][6][2];
+        for (int p = 0; p < np; p++)
+            for (int r = 0; r < mr; r++) { a[p][r][0] = _mm256_setzero_ps(); a[p][r][1] = _mm256_setzero_ps(); }
+        for (int64_t k = k0; k < k1; k += 32) {
+            const uint8_t *g[4];
+            __m256 s[4][2], m[4][2], s1[4][2];
+            for (int p = 0; p < np; p++) {
+                g[p] = panel + p * pb + (k / 32) * gb;
+                scales256(type, g[p], s[p], m[p], s1[p]);
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < 32; j++)
+                for (int p = 0; p < np; p++) {
+                    __m256 w[2];
+                    pos256(type, g[p], j, s[p], m[p], s1[p], w);
+                    for (int r = 0; r < mr; r++) {
+                        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k + j);
+                        a[p][r][0] = _mm256_fmadd_ps(b, w[0], a[p][r][0]);
+                        a[p][r][1] = _mm256_fmadd_ps(b, w[1], a[p][r][1]);
+                    }
+                }
+        }
+        for (int p = 0; p < np; p++)
+            for (int r = 0; r < mr; r++)
+                for (int v = 0; v < 2; v++) c[p][r][v] = k0 == 0 ? a[p][r][v] : _mm256_add_ps(c[p][r][v], a[p][r][v]);
+    }
+    float buf[16];
+    for (int p = 0; p < np; p++) {
+        const int nc = p == np - 1 ? ncols : 16;
+        for (int r = 0; r < mr; r++) {
+            _mm256_storeu_ps(buf, c[p][r][0]);
+            _mm256_storeu_ps(buf + 8, c[p][r][1]);
+            for (int j = 0; j < nc; j++) {
+                float o = buf[j];
+                if (bias) o = o + bias[p * 16 + j];
+                if (res) o = o + res[r * ldr + p * 16 + j];
+                y[r * ldy + p * 16 + j] = o;
+            }
+        }
+    }
+}
+
+#define FUSED256_TYPES(mr, np) \
+    switch (type) { \
+    case T_F16: fused256(T_F16, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_BF16: fused256(T_BF16, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q8_0: fused256(T_Q8_0, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_0: fused256(T_Q4_0, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_1: fused256(T_Q4_1, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_0: fused256(T_Q5_0, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_1: fused256(T_Q5_1, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q4_K: fused256(T_Q4_K, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    case T_Q5_K: fused256(T_Q5_K, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    default: fused256(T_Q6_K, mr, np, x, ldx, panel, pb, K, kb, bias, res, ldr, y, ldy, ncols); break; \
+    }
+
+static void fused_tile256(int type, int mr, int np, const float *x, int64_t ldx, const uint8_t *panel, int64_t pb,
+                          int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y,
+                          int64_t ldy, int ncols)
+{
+    switch (mr * 8 + np) {
+    case 1 * 8 + 4: FUSED256_TYPES(1, 4) break;
+    case 2 * 8 + 2: FUSED256_TYPES(2, 2) break;
+    case 3 * 8 + 2: FUSED256_TYPES(3, 2) break;
+    case 1 * 8 + 1: FUSED256_TYPES(1, 1) break;
+    case 2 * 8 + 1: FUSED256_TYPES(2, 1) break;
+    case 3 * 8 + 1: FUSED256_TYPES(3, 1) break;
+    case 4 * 8 + 1: FUSED256_TYPES(4, 1) break;
+    case 5 * 8 + 1: FUSED256_TYPES(5, 1) break;
+    default: FUSED256_TYPES(6, 1) break;
+    }
+}
+
 /* ---- AVX-512: a row tile of up to 6 rows over a panel, each position of 16 rows decoded into
  * one register right before the tile's FMAs use it (no expanded copy). The same values (one
  * IEEE op per element, in the reference's order) and the same FMA chains, so the same bits. */
@@ -522,7 +665,8 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
                            int64_t ldy)
 {
     const int64_t panels = (N + 15) / 16, pb = K / 32 * probity_group_bytes(type);
-    if (M <= 6 && probity_cpu_avx512()) {
+    if (M <= 6) {   /* in registers: AVX-512 where it runs, else AVX2 */
+        const int wide = probity_cpu_avx512();
         const int np = fused_panels((int)M);
         const int64_t groups = (panels + np - 1) / np;
 #pragma omp parallel for schedule(static)
@@ -531,9 +675,13 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
             /* a short last group runs its panels one at a time */
             for (int64_t j = j0; j < j0 + cnt; j += cnt == np ? np : 1) {
                 const int64_t n0 = j * 16, last = j + (cnt == np ? np : 1) - 1;
-                fused_tile512(type, (int)M, cnt == np ? np : 1, x, ldx, packed + j * pb, pb, K, kb,
-                              bias ? bias + n0 : 0, res ? res + n0 : 0, ldr, y + n0, ldy,
-                              N - last * 16 < 16 ? (int)(N - last * 16) : 16);
+                const int ncols = N - last * 16 < 16 ? (int)(N - last * 16) : 16;
+                if (wide)
+                    fused_tile512(type, (int)M, cnt == np ? np : 1, x, ldx, packed + j * pb, pb, K, kb,
+                                  bias ? bias + n0 : 0, res ? res + n0 : 0, ldr, y + n0, ldy, ncols);
+                else
+                    fused_tile256(type, (int)M, cnt == np ? np : 1, x, ldx, packed + j * pb, pb, K, kb,
+                                  bias ? bias + n0 : 0, res ? res + n0 : 0, ldr, y + n0, ldy, ncols);
             }
         }
         return;
