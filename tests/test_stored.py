@@ -194,7 +194,7 @@ def test_the_kernels_read_each_weight_as_the_reference_expands_it(kind):
 def test_the_stored_kernel_gives_the_float32_kernels_bits(kind):
     """A narrow call on a stored weight (expanded panel by panel, or position by position into
     registers for a few rows on AVX-512, one to four panels side by side) equals the float32 kernel on the expanded weight, bit
-    for bit, at every row count it serves, with every k-block the calibration may pick, with
+    for bit, at every row count it serves, with several k-blocks (kernels.KB among them), with
     bias and residual."""
     from tiny_gguf import _k_blocks
 

@@ -72,7 +72,7 @@ class Engine(EngineCore):
         self.forward_passes = 0
         self.grammars = Grammars(loaded.tokenizer, self.runner.vocab_size, self.vocab.eos_ids,
                                  cache_bytes=int(flags.grammar_cache_mib * (1 << 20)))
-        release_freed_memory()   # loading's and calibration's temporaries, before memory is measured
+        release_freed_memory()   # loading's and the startup probes' temporaries, before memory is measured
         self._memory = {**self.runner.memory(), "grammar_cache_max": self.grammars.cache_bytes}
         log("memory: " + ", ".join(f"{k} {v / (1 << 30):.2f} GiB" for k, v in self._memory.items()))
 

@@ -24,7 +24,7 @@ def keep_freed_memory(keep_bytes: int = 1 << 30) -> None:
 
 def release_freed_memory() -> None:
     """Hand the heap's free space back to the kernel once (glibc's malloc_trim), after loading:
-    packing a checkpoint's blocks and calibrating leave GBs of freed temporaries in the heap
+    packing a checkpoint's blocks and the startup probes leave GBs of freed temporaries in the heap
     that keep_freed_memory's threshold would otherwise keep for good (a 7B Q4_K engine was
     resident in 8.6 GiB for 4.3 GiB of weights, 4.8 after this). Steps then grow the heap
     again up to what they use."""

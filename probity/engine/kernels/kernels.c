@@ -1,19 +1,14 @@
-/* probity's own CPU kernels (built and called by probity/engine/kernels/): the small-row linear
- * below, then attention's narrow GEMMs, a decode group's attention, the RMS norm and the rotary
- * embedding.
+/* probity's own CPU kernels, vector build (built and called by probity/engine/kernels/): the
+ * linear, attention's sliced GEMMs, a decode group's attention, the RMS norm and the rotary
+ * embedding. Each computes one documented order (docs/engine.md, "One order on every path"),
+ * the same in its AVX2 and AVX-512 forms and in portable.c.
  *
- * The small-row linear: y = x W^T (+ b) (+ r) for a few rows, with every output
- * element reduced in the order oneDNN's fp32 GEMM reduces it on the CPUs measured so far:
- * one fused multiply-add chain over k, starting from zero, restarted every `kb` values of k
- * (the block partial sums are then added in order), then the bias, then the residual.
- * Equal order means equal bits: the engine checks that at startup, shape by shape, against
- * oneDNN itself (probity/engine/calibration.py) and uses this kernel only where they agree.
- *
- * Why: below ~16 rows oneDNN runs far under the memory bound (a decode step streams every
- * weight once for a handful of rows). This kernel streams the weights once per call, laid
- * out as [ceil(N/16)][K][16] so each k reads 64 contiguous bytes for 16 outputs, and holds
- * up to 6 rows x 16 outputs in registers. Bits are set by the order of the FMAs of each
- * output alone, so tiling, threads and prefetching change none.
+ * The linear: y = x W^T (+ b) (+ r), every output one fused multiply-add chain over k,
+ * starting from zero, restarted every `kb` values of k (kernels.KB; the block partial sums
+ * then added in order), then the bias, then the residual. The weights are laid out as
+ * [ceil(N/16)][K][16] so each k reads 64 contiguous bytes for 16 outputs; up to 6 rows x 16
+ * outputs are held in registers (wider calls on AVX-512: stored.c's wide kernel). Bits are set
+ * by the order of the FMAs of each output alone, so tiling, threads and prefetching change none.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -144,10 +139,9 @@ void probity_linear_tile(int mr, const float *x, int64_t ldx, const float *w, in
     }
 }
 
-/* ---- attention's two GEMMs, in slices of 64 keys, for calls of few query rows ----------
- * The same sums as torch.matmul in kernels.score_gemm / value_gemm, each output one FMA chain
- * from zero over its reduction index in order: the order MKL's kernel was measured to use
- * for those calls from 4 rows on (calibration.py checks it at startup, like the linears). */
+/* ---- attention's two GEMMs, in slices of 64 keys, for calls of any row count -------------
+ * kernels.score_gemm / value_gemm: each output one FMA chain from zero over its reduction
+ * index in order (the head dim for a score, the slice's 64 keys for a value column). */
 
 /* 8 rows of 8 floats (row stride ld) -> out[t * SLICE + r] = in[r * ld + t] */
 static inline void transpose8(const float *in, int64_t ld, float *out)
@@ -287,7 +281,7 @@ void probity_value(const float *e, const float *vals, float *out, int64_t B, int
     }
 }
 
-/* ---- a decode group's attention in two calls, torch's exp between them ------------------
+/* ---- a decode group's attention in two calls, the kernels' exp between them ------------------
  * The same operations in the same order as attention.attend's general path for a group of
  * sequences with one query row each (so the same bits; the invariance tests compare them with
  * prefills): scaled queries, sliced scores, the maximum over visible keys, s - max clamped
