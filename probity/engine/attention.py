@@ -188,8 +188,7 @@ class PagedKV:
     def write(self, li: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The step rows' keys and values [T, KV, hd] into their pool slots."""
         KV, hd = self.n_kv, self.head_dim
-        self.k[li].view(KV, -1, hd).index_copy_(1, slots, k.transpose(0, 1))
-        self.v[li].view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, slots, v.transpose(0, 1))
+        kernels.kv_store(k, v, slots, self.k[li].view(KV, -1, hd), self.v[li].view(KV, -1, hd + 1))
 
     def gather(self, li: int, k: torch.Tensor, v: torch.Tensor, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys [KV, items, L, hd] and values [KV, items, L, hd+1]: gathered from the
@@ -199,10 +198,8 @@ class PagedKV:
         KV, hd = self.n_kv, self.head_dim
         if g.kept is Kept.REUSE:
             keys, vals = self.kept_k[li], self.kept_v[li]
-            if len(g.dest) != len(k):
-                k, v = k.index_select(0, g.dest), v.index_select(0, g.dest)
-            keys.view(KV, -1, hd).index_copy_(1, g.new_at, k.transpose(0, 1))
-            vals.view(KV, -1, hd + 1)[:, :, :hd].index_copy_(1, g.new_at, v.transpose(0, 1))
+            kernels.kv_store(k, v, g.new_at, keys.view(KV, -1, hd), vals.view(KV, -1, hd + 1),
+                             None if len(g.dest) == len(k) else g.dest)
             return keys, vals
         # whole blocks as flat rows: one contiguous copy per block
         keys = self.k[li].flatten(2).index_select(1, g.blocks).view(KV, g.items, g.length, hd)

@@ -54,7 +54,7 @@ _usage = Obj({"prompt_tokens": Int(), "completion_tokens": Int(), "cached_tokens
 _finished = Obj({
     "member": Int(0, MAX_MEMBERS - 1),
     "choice": Int(0, MAX_CHOICES - 1),
-    "finish_reason": Enum("stop", "length", "cancelled", "grammar_dead_end"),
+    "finish_reason": Enum("stop", "length", "grammar_dead_end"),
     "stop": Null(Str(MAX_STOP_CHARS)),
     "completion_tokens": Int(),
 })

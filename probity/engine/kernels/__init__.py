@@ -188,6 +188,26 @@ def decode_attention(q: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, va
     return out
 
 
+def kv_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kdst: torch.Tensor, vdst: torch.Tensor,
+             rows: torch.Tensor | None = None) -> None:
+    """Keys and values k, v [T, KV, hd] (rows `rows` of them where given) into slots `slots`
+    of kdst [KV, X, hd] and vdst [KV, X, hd+1] (its first hd columns): plain copies."""
+    T, KV, hd = k.shape
+    n = T if rows is None else rows.numel()
+    k = k if k.stride(2) == 1 and k.stride(1) == hd else k.contiguous()   # heads hd apart, as the kernel reads
+    v = v if v.stride(2) == 1 and v.stride(1) == hd else v.contiguous()
+    if (v.shape != k.shape or k.dtype != torch.float32 or v.dtype != torch.float32 or slots.numel() != n or kdst.shape[0] != KV or kdst.shape[2] != hd or vdst.shape[2] != hd + 1
+            or not kdst.is_contiguous() or not vdst.is_contiguous()):
+        raise ValueError(f"kv_store: keys {tuple(k.shape)}, values {tuple(v.shape)}, {slots.numel()} slots, "
+                         f"into {tuple(kdst.shape)} / {tuple(vdst.shape)}")
+    slots = slots.to(torch.int64).contiguous()
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+    lib().probity_kv_store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                           None if rows is None else rows.data_ptr(), n, KV, hd, slots.data_ptr(),
+                           kdst.data_ptr(), kdst.stride(0), vdst.data_ptr(), vdst.stride(0))
+
+
 # ---------------------------------------------------------------- per-row ops
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

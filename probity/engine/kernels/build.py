@@ -47,6 +47,8 @@ SIGNATURES: dict[str, tuple[tuple[str, object], ...]] = {
     "probity_cos_sin": (("a", _p), ("c", _p), ("s", _p), ("n", _i)),
     "probity_rotate": (("x", _p), ("ldx", _i), ("cos", _p), ("sin", _p), ("out", _p), ("T", _i), ("heads", _i),
                        ("hd", _i)),
+    "probity_kv_store": (("k", _p), ("ldk", _i), ("v", _p), ("ldv", _i), ("rows", _p), ("n", _i), ("KV", _i),
+                         ("hd", _i), ("slots", _p), ("kdst", _p), ("kstride", _i), ("vdst", _p), ("vstride", _i)),
     "probity_expand": (("type", _c), ("packed", _p), ("N", _i), ("K", _i), ("out", _p)),
     "probity_expand_rows": (("type", _c), ("packed", _p), ("K", _i), ("ids", _p), ("n", _i), ("out", _p)),
     "probity_linear_stored": (("type", _c), ("x", _p), ("ldx", _i), ("M", _i), ("packed", _p), ("N", _i), ("K", _i),

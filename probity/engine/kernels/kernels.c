@@ -81,6 +81,15 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* The rows of row tile i of a call of M rows: the fewest tiles of at most MR_MAX rows, their
+ * sizes as equal as can be (8 rows: 4 + 4, not 6 + 2, whose 2-row tile has too few chains in
+ * flight to keep the FMA units busy). Row tiling changes no chain, so no bit. */
+int64_t probity_tile_rows(int64_t M, int64_t i)
+{
+    const int64_t tiles = (M + MR_MAX - 1) / MR_MAX, base = M / tiles;
+    return base + (i < M % tiles);
+}
+
 int probity_cpu_avx512(void);
 void probity_wide_f32(const float *x, int64_t ldx, int64_t M, const float *wp, int64_t N, int64_t K, int64_t kb,
                       const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy);
@@ -107,12 +116,11 @@ void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int
         const int64_t n0 = j * NB;
         const int ncols = N - n0 < NB ? (int)(N - n0) : NB;
         const float *bj = bias ? bias + n0 : 0;
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-            const int64_t left = M - m0;
+        for (int64_t m0 = 0, i = 0; m0 < M; m0 += probity_tile_rows(M, i++)) {
             const float *xm = x + m0 * ldx;
             const float *rm = res ? res + m0 * ldr + n0 : 0;
             float *ym = y + m0 * ldy + n0;
-            switch (left >= MR_MAX ? MR_MAX : left) {
+            switch (probity_tile_rows(M, i)) {
             case 6: tile(6, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
             case 5: tile(5, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
             case 4: tile(4, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;

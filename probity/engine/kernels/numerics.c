@@ -251,3 +251,22 @@ void probity_cos_sin(const float *a, float *c, float *s, int64_t n)
         }
     }
 }
+
+/* ---- keys and values into their slots: copies, so no number changes ----------------------
+ * Row t of k and v (row t = rows[t] of the step where rows is given, else t; each row KV heads
+ * of hd floats, heads hd apart, rows ldk / ldv apart) goes to slot slots[t] of every head:
+ * kdst + h * kstride + slots[t] * hd and vdst + h * vstride + slots[t] * (hd + 1) (the values'
+ * extra column, the softmax denominator's ones, is left as it is). One call per layer writes
+ * the pool, and another the kept keys: the indexed copies of torch cost ~15 us each here. */
+void probity_kv_store(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *rows, int64_t n,
+                      int64_t KV, int64_t hd, const int64_t *slots, float *kdst, int64_t kstride, float *vdst,
+                      int64_t vstride)
+{
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t r = rows ? rows[t] : t, s = slots[t];
+        for (int64_t h = 0; h < KV; h++) {
+            memcpy(kdst + h * kstride + s * hd, k + r * ldk + h * hd, (size_t)hd * sizeof(float));
+            memcpy(vdst + h * vstride + s * (hd + 1), v + r * ldv + h * hd, (size_t)hd * sizeof(float));
+        }
+    }
+}

@@ -27,6 +27,7 @@
 #include <string.h>
 
 int probity_cpu_avx512(void);   /* kernels.c: whether the AVX-512 code runs on this CPU */
+int64_t probity_tile_rows(int64_t M, int64_t i);   /* kernels.c: the rows of a call's row tile i */
 
 #ifndef PANEL
 #error "compile through probity/engine/kernels/build.py"
@@ -353,10 +354,11 @@ static void fused_tile256(int type, int mr, int np, const float *x, int64_t ldx,
     }
 }
 
-/* ---- AVX-512: a row tile of up to 6 rows over a panel, each position of 16 rows decoded into
+/* ---- AVX-512: a row tile of up to 12 rows over a panel, each position of 16 rows decoded into
  * one register right before the tile's FMAs use it (no expanded copy). The same values (one
  * IEEE op per element, in the reference's order) and the same FMA chains, so the same bits. */
 #define A512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define FUSED_MR 12   /* the most rows fused512 takes (its 32 zmm registers hold 12 rows' chains) */
 
 A512 static inline __m512 h16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 A512 static inline __m512 u8f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -416,7 +418,7 @@ A512 static inline __attribute__((always_inline)) void scales512(const int type,
     }
 }
 
-/* Up to 6 rows over np panels side by side (np x 16 outputs): np x mr independent FMA chains in
+/* Up to 12 rows (FUSED_MR) over np panels side by side (np x 16 outputs): np x mr independent FMA chains in
  * flight. One row over one panel is a single chain, whose FMA latency (4 cycles per 16 weights)
  * and not memory set a decode step's pace; four panels at once hide it. Each output's chain is
  * the same whatever np, so the bits are too. `ncols`: outputs of the last of the np panels. */
@@ -425,10 +427,10 @@ A512 static inline __attribute__((always_inline)) void fused512(
     int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int ncols)
 {
     const int64_t gb = probity_group_bytes(type);
-    __m512 c[4][6];
+    __m512 c[4][FUSED_MR];
     for (int64_t k0 = 0; k0 < K; k0 += kb) {
         const int64_t k1 = k0 + kb < K ? k0 + kb : K;
-        __m512 a[4][6];
+        __m512 a[4][FUSED_MR];
         for (int p = 0; p < np; p++)
             for (int r = 0; r < mr; r++) a[p][r] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += 32) {
@@ -491,7 +493,13 @@ A512 static void fused_tile512(int type, int mr, int np, const float *x, int64_t
     case 3 * 8 + 1: FUSED_TYPES(3, 1) break;
     case 4 * 8 + 1: FUSED_TYPES(4, 1) break;
     case 5 * 8 + 1: FUSED_TYPES(5, 1) break;
-    default: FUSED_TYPES(6, 1) break;
+    case 6 * 8 + 1: FUSED_TYPES(6, 1) break;
+    case 7 * 8 + 1: FUSED_TYPES(7, 1) break;
+    case 8 * 8 + 1: FUSED_TYPES(8, 1) break;
+    case 9 * 8 + 1: FUSED_TYPES(9, 1) break;
+    case 10 * 8 + 1: FUSED_TYPES(10, 1) break;
+    case 11 * 8 + 1: FUSED_TYPES(11, 1) break;
+    default: FUSED_TYPES(12, 1) break;
     }
 }
 
@@ -656,17 +664,17 @@ void probity_wide_f32(const float *x, int64_t ldx, int64_t M, const float *wp, i
 }
 
 
-/* y = x W^T (+ b) (+ r) for x [M, K] and W stored as `type`: up to 6 rows fused (fused512),
- * more rows by wide512 — both AVX-512; without AVX-512 (M <= 32 then) each panel expanded into
- * a per-thread buffer and the float32 kernel's own tile run over it. Every output is the same
- * FMA chain as with the float32 weights. */
+/* y = x W^T (+ b) (+ r) for x [M, K] and W stored as `type`: up to 12 rows fused (fused512),
+ * more rows by wide512 — both AVX-512; without AVX-512 up to 6 rows fused (fused256), more each
+ * panel expanded into a per-thread buffer and the float32 kernel's own tile run over it. Every
+ * output is the same FMA chain as with the float32 weights. */
 void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, const uint8_t *packed, int64_t N,
                            int64_t K, int64_t kb, const float *bias, const float *res, int64_t ldr, float *y,
                            int64_t ldy)
 {
     const int64_t panels = (N + 15) / 16, pb = K / 32 * probity_group_bytes(type);
-    if (M <= 6) {   /* in registers: AVX-512 where it runs, else AVX2 */
-        const int wide = probity_cpu_avx512();
+    const int wide = probity_cpu_avx512();
+    if (M <= (wide ? FUSED_MR : 6)) {   /* in registers: AVX-512 where it runs, else AVX2 */
         const int np = fused_panels((int)M);
         const int64_t groups = (panels + np - 1) / np;
 #pragma omp parallel for schedule(static)
@@ -701,8 +709,8 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
             decode_panel(type, packed + j * pb, K, buf);
             const int64_t n0 = j * 16;
             const int ncols = N - n0 < 16 ? (int)(N - n0) : 16;
-            for (int64_t m0 = 0; m0 < M; m0 += 6) {
-                const int mr = M - m0 >= 6 ? 6 : (int)(M - m0);
+            for (int64_t m0 = 0, i = 0; m0 < M; m0 += probity_tile_rows(M, i++)) {
+                const int mr = (int)probity_tile_rows(M, i);
                 probity_linear_tile(mr, x + m0 * ldx, ldx, buf, K, kb, bias ? bias + n0 : 0,
                                     res ? res + m0 * ldr + n0 : 0, ldr, y + m0 * ldy + n0, ldy, ncols);
             }
