@@ -196,7 +196,8 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kdst: torch.
     n = T if rows is None else rows.numel()
     k = k if k.stride(2) == 1 and k.stride(1) == hd else k.contiguous()   # heads hd apart, as the kernel reads
     v = v if v.stride(2) == 1 and v.stride(1) == hd else v.contiguous()
-    if (v.shape != k.shape or k.dtype != torch.float32 or v.dtype != torch.float32 or slots.numel() != n or kdst.shape[0] != KV or kdst.shape[2] != hd or vdst.shape[2] != hd + 1
+    if (v.shape != k.shape or k.dtype != torch.float32 or v.dtype != torch.float32 or slots.numel() != n
+            or kdst.shape[0] != KV or kdst.shape[2] != hd or vdst.shape[2] != hd + 1
             or not kdst.is_contiguous() or not vdst.is_contiguous()):
         raise ValueError(f"kv_store: keys {tuple(k.shape)}, values {tuple(v.shape)}, {slots.numel()} slots, "
                          f"into {tuple(kdst.shape)} / {tuple(vdst.shape)}")

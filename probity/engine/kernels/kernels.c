@@ -116,11 +116,12 @@ void probity_linear(const float *x, int64_t ldx, int64_t M, const float *wp, int
         const int64_t n0 = j * NB;
         const int ncols = N - n0 < NB ? (int)(N - n0) : NB;
         const float *bj = bias ? bias + n0 : 0;
-        for (int64_t m0 = 0, i = 0; m0 < M; m0 += probity_tile_rows(M, i++)) {
+        for (int64_t m0 = 0, i = 0, mr; m0 < M; m0 += mr, i++) {
+            mr = probity_tile_rows(M, i);
             const float *xm = x + m0 * ldx;
             const float *rm = res ? res + m0 * ldr + n0 : 0;
             float *ym = y + m0 * ldy + n0;
-            switch (probity_tile_rows(M, i)) {
+            switch (mr) {
             case 6: tile(6, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
             case 5: tile(5, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;
             case 4: tile(4, xm, ldx, w, K, kb, bj, rm, ldr, ym, ldy, ncols, ahead); break;

@@ -701,7 +701,7 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
         }
         return;
     }
-    if (probity_cpu_avx512()) {
+    if (wide) {
         wide512(type, x, ldx, M, packed, N, K, kb, bias, res, ldr, y, ldy);
         return;
     }
@@ -716,9 +716,9 @@ void probity_linear_stored(int type, const float *x, int64_t ldx, int64_t M, con
             decode_panel(type, packed + j * pb, K, buf);
             const int64_t n0 = j * 16;
             const int ncols = N - n0 < 16 ? (int)(N - n0) : 16;
-            for (int64_t m0 = 0, i = 0; m0 < M; m0 += probity_tile_rows(M, i++)) {
-                const int mr = (int)probity_tile_rows(M, i);
-                probity_linear_tile(mr, x + m0 * ldx, ldx, buf, K, kb, bias ? bias + n0 : 0,
+            for (int64_t m0 = 0, i = 0, mr; m0 < M; m0 += mr, i++) {
+                mr = probity_tile_rows(M, i);
+                probity_linear_tile((int)mr, x + m0 * ldx, ldx, buf, K, kb, bias ? bias + n0 : 0,
                                     res ? res + m0 * ldr + n0 : 0, ldr, y + m0 * ldy + n0, ldy, ncols);
             }
         }
