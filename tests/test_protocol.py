@@ -317,15 +317,20 @@ def long_entry(i: int, token_bytes: int, **more) -> dict:
             "top": [[2**31 - 1 - j, h, -1.2345678901234567e-300] for j in range(P.MAX_TOP)], **more}
 
 
+# a position's row reports at their widest: 256 scores of the longest repr, a 30,000-character row
+ROWS = {"scores": [-1.2345678901234567e-300] * P.MAX_SCORE_TOKENS, "dist": "A" * 30000}
+
+
 @pytest.mark.parametrize("kind,count,max_items,extra,token_bytes,more", [
     ("TOKEN", 256, P.MAX_TOKEN_ENTRIES, {"member": P.MAX_MEMBERS - 1, "choice": P.MAX_CHOICES - 1}, 200,
-     {"keep": 4095}),
-    ("ECHO", 4096, P.ECHO_CHUNK, {"member": P.MAX_MEMBERS - 1, "start": 2**40}, 300, {}),
+     {"keep": 4095, **ROWS}),
+    ("ECHO", 1024, P.ECHO_CHUNK, {"member": P.MAX_MEMBERS - 1, "start": 2**40}, 300, ROWS),
 ])
 def test_entry_chunks_never_build_a_frame_beyond_its_bound(kind, count, max_items, extra, token_bytes, more):
-    """256 entries of 200-byte tokens with 33 alternatives are 1.8 MB: one TOKEN frame of
-    them is past its 1 MiB bound (emit() once raised inside step()). Cut by entry_chunks,
-    every frame encodes, passes the reader's checks, and together they hold every entry in order."""
+    """256 entries of 200-byte tokens with 33 alternatives, 256 scores and a distribution row
+    are 12.6 MB: one TOKEN frame of them is past its 8 MiB bound (emit() once raised inside
+    step()). Cut by entry_chunks, every frame encodes, passes the reader's checks, and together
+    they hold every entry in order."""
     entries = [long_entry(i, token_bytes, **more) for i in range(count)]
     key = "tokens" if kind == "TOKEN" else "positions"
     with pytest.raises(ValueError):

@@ -217,6 +217,16 @@ def test_prompt_array_is_all_or_nothing(vllm_server):
     assert vllm_server.get("/health").json()["engine"]["stats"].get("prompt_tokens_computed") == before
 
 
+def test_distribution_and_score_tokens_are_refused_by_name(vllm_server):
+    """vLLM hands out at most its top-k logprobs: whole rows are not there, and the backend says
+    so (READY) instead of answering with fewer numbers than were asked for."""
+    for field, value in (("distribution", True), ("score_tokens", [1, 2])):
+        r = vllm_server.post("/v1/completions", json={"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1,
+                                                      field: value})
+        e = r.json()["error"]
+        assert r.status_code == 400 and (e["code"], e["param"]) == ("engine_capability_missing", field), e
+
+
 def test_context_refusal_is_a_real_400_before_any_sse_byte(vllm_server):
     import anthropic
 

@@ -15,7 +15,7 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import protocol as P
 from ..protocol import finite_or_none
@@ -57,6 +57,11 @@ class EngineCore:
         self.concurrency = 1
         self.batch_invariant = self.prefix_cache = False
         self.grammars = None  # engine/grammar.py Grammars where the backend applies grammars
+        # whole log-softmax rows: whether the backend has them (SUBMIT's distribution and
+        # score_tokens), and the most distribution floats (rows x vocabulary) one request may ask for
+        self.row_reports = False
+        self.max_distribution_floats = 0
+        self._ids_of_bytes: dict[bytes, list[int]] | None = None
         self.compiling: dict[int, Request] = {}  # requests whose grammar is being compiled
 
     # ------------------------------------------------------------ what a backend provides
@@ -112,6 +117,8 @@ class EngineCore:
                 "batch_invariant": self.batch_invariant, "prefix_cache": self.prefix_cache,
                 "grammar": self.grammars is not None, "tool_format": self.vocab.tool_format,
                 "tools_in_template": self.vocab.tools_in_template,
+                "distribution": self.offers_distribution, "score_tokens": self.row_reports,
+                "max_distribution_floats": self.max_distribution_floats if self.offers_distribution else 0,
             },
             "concurrency": self.concurrency,
         }
@@ -119,6 +126,10 @@ class EngineCore:
         if memory is not None:
             out["memory"] = memory
         return out
+
+    @property
+    def offers_distribution(self) -> bool:
+        return self.row_reports and self.max_distribution_floats > 0 and self.vocab.size <= P.MAX_DIST_VOCAB
 
     def run(self) -> None:
         self.out.send("READY", 0, self.ready())
@@ -209,6 +220,8 @@ class EngineCore:
 
     def start_generate(self, rid: int, p: dict) -> None:
         sampling, prompts, template = parse_generate(p, self.vocab, self.context_length)
+        if sampling.reports_rows:
+            sampling = self.rows_asked(sampling, prompts)
         req = Request(rid, sampling, prompts, template=template)
         for m in range(len(prompts)):
             for c in range(sampling.n):
@@ -227,6 +240,46 @@ class EngineCore:
                     lambda f: self.inbox.put(Compiled(rid, f)))
                 return
         self.start_request(req, matcher)
+
+    def rows_asked(self, s: P.Sampling, prompts: list[list[int]]) -> P.Sampling:
+        """A request's distribution and score_tokens, checked (the vocabulary, the backend, the
+        distribution bound); its score_tokens as ids."""
+        if not self.row_reports:
+            raise Refusal("BAD_REQUEST", "this engine does not report whole rows",
+                          "distribution" if s.distribution else "score_tokens")
+        if s.distribution:
+            if not self.offers_distribution:
+                raise Refusal("BAD_REQUEST", f"this engine does not report distributions (a vocabulary of "
+                              f"{self.vocab.size}, a bound of {self.max_distribution_floats} floats)", "distribution")
+            rows = sum((len(ids) - 1 if s.echo else 0) + s.n * s.max_tokens for ids in prompts)
+            floats = rows * self.vocab.size
+            if floats > self.max_distribution_floats:
+                raise Refusal("BAD_REQUEST", f"{rows} positions x {self.vocab.size} tokens = {floats} distribution "
+                              f"floats exceeds the engine's bound of {self.max_distribution_floats} "
+                              "(--max-distribution-floats): ask for fewer positions", "distribution")
+        ids = tuple(self.score_id(t, j) for j, t in enumerate(s.score_tokens))
+        return replace(s, score_tokens=ids)
+
+    def score_id(self, t: int | str, j: int) -> int:
+        """A score_tokens entry as a token id: an id below the vocabulary size, or the text of
+        exactly one token (its UTF-8 bytes are that token's bytes)."""
+        where = f"score_tokens[{j}]"
+        if type(t) is int:
+            if t >= self.vocab.size:
+                raise Refusal("BAD_REQUEST", f"token ids must be below the vocabulary size {self.vocab.size}", where)
+            return t
+        if self._ids_of_bytes is None:
+            self._ids_of_bytes = {}
+            for i, b in enumerate(self.vocab.token_bytes):
+                self._ids_of_bytes.setdefault(b, []).append(i)
+        ids = self._ids_of_bytes.get(t.encode("utf-8"), [])
+        if not ids:
+            raise Refusal("BAD_REQUEST", f"{t!r} is not the text of one token of this vocabulary: name a token by "
+                          "its id, or use the tokenize route to see how the text splits", where)
+        if len(ids) > 1:
+            raise Refusal("BAD_REQUEST", f"{t!r} is the text of several tokens (ids {ids[:8]}): name one by its id",
+                          where)
+        return ids[0]
 
     def compiled(self, item: Compiled) -> None:
         req = self.compiling.pop(item.id, None)
@@ -250,8 +303,11 @@ class EngineCore:
                 q.matcher = matcher if q is req.choices[0] else matcher.deep_copy()
         self.admit(req)
         self.requests[rid] = req
-        self.out.send("ACCEPT", rid, {"members": [{"prompt_tokens": len(ids), "cached_tokens": c}
-                                                  for ids, c in zip(prompts, self.cached_at_accept(req))]})
+        accept: dict = {"members": [{"prompt_tokens": len(ids), "cached_tokens": c}
+                                    for ids, c in zip(prompts, self.cached_at_accept(req))]}
+        if sampling.score_tokens:
+            accept["score_ids"] = list(sampling.score_tokens)
+        self.out.send("ACCEPT", rid, accept)
         if sampling.echo:
             for m in range(len(prompts)):
                 req.echo_next[m] = 0
@@ -289,26 +345,30 @@ class EngineCore:
         })
 
     # ------------------------------------------------------------ reporting
-    def entry(self, token: int, value: float | None, table: list[tuple[int, float]] | None) -> dict:
+    def entry(self, token: int, value: float | None, table: list[tuple[int, float]] | None,
+              row: dict | None = None) -> dict:
         """A position's pipe entry: the token, its bytes, its value and, when asked for, its
-        table (the chosen token's value there is the same float)."""
+        table (the chosen token's value there is the same float) and its row reports
+        (tables.row_reports: the whole distribution, score_tokens' values)."""
         tb = self.vocab.token_bytes
         e = {"id": token, "bytes": tb[token].hex(), "logprob": None if value is None else finite_or_none(value)}
         if table is not None:
             e["top"] = [[i, tb[i].hex(), finite_or_none(v)] for i, v in table]
+        if row:
+            e.update(row)
         return e
 
-    def send_echo(self, req: Request, member: int, positions: list[tuple[int, float | None, list | None]]) -> None:
-        """The member's next prompt positions, (position, value, table) in order from where its
-        echo stands; its held tokens follow once the last position is out."""
+    def send_echo(self, req: Request, member: int, positions: list[tuple]) -> None:
+        """The member's next prompt positions, (position, value, table[, row reports]) in order
+        from where its echo stands; its held tokens follow once the last position is out."""
         if not positions:
             return
         start = req.echo_next[member]
         assert positions[0][0] == start, "echo positions out of order"
         prompt = req.prompts[member]
         entries = []
-        for p, value, table in positions:
-            e = self.entry(prompt[p], value, table)
+        for p, value, table, *row in positions:
+            e = self.entry(prompt[p], value, table, row[0] if row else None)
             if p == 0:
                 e["top"] = None
             if member in req.template:
@@ -331,14 +391,15 @@ class EngineCore:
             if req.sampling.max_tokens == 0 and not q.finished:
                 self.finish(q, "length")  # the echo was all that was asked
 
-    def accept_token(self, q: Choice, token: int, value: float | None, table: list | None) -> None:
+    def accept_token(self, q: Choice, token: int, value: float | None, table: list | None,
+                     row: dict | None = None) -> None:
         """Report a generated token and decide how the choice goes on: an EOS ends it (reported
         like every token, flagged so the server keeps it out of the text), then a stop string,
         then the token budget."""
         q.out.append(token)
         self.generated_tokens += 1
         self.tokens_since_stats += 1
-        entry = self.entry(token, value, table)
+        entry = self.entry(token, value, table, row)
         if token in self.vocab.eos_ids:
             self.emit(q, q.stop_text.flush() + [{**entry, "eos": True}])
             self.finish(q, "stop")

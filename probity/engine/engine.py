@@ -25,7 +25,7 @@ from .model import path as model_path
 from .pipe import Writer, open_pipe
 from .runner import ModelRunner, kv_blocks, resident_bytes
 from .sampler import new_generator, sample_many
-from .tables import top_tables
+from .tables import row_reports, top_tables
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .stop_text import StopText
@@ -69,6 +69,7 @@ class Engine(EngineCore):
                             + (f"_{path}_t{torch.get_num_threads()}" if general else "") + f"_n{self.numerics}")
         self.concurrency = flags.max_running
         self.batch_invariant, self.prefix_cache = True, flags.prefix_cache
+        self.row_reports, self.max_distribution_floats = True, flags.max_distribution_floats
         self.forward_passes = 0
         self.grammars = Grammars(loaded.tokenizer, self.runner.vocab_size, self.vocab.eos_ids,
                                  cache_bytes=int(flags.grammar_cache_mib * (1 << 20)))
@@ -184,7 +185,8 @@ class Engine(EngineCore):
         table = top_tables(lp.unsqueeze(0), [token], s.logprobs)[0] if s.logprobs is not None else None
         if table is not None and constrained:
             table = [(i, v) for i, v in table if v != -float("inf")]   # only what the grammar allowed
-        self.accept_token(seq, token, lp[token].item(), table)
+        row = row_reports(lp.unsqueeze(0), s.distribution, s.score_tokens) if s.reports_rows else None
+        self.accept_token(seq, token, lp[token].item(), table, row[0] if row else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,9 @@ import argparse
 from dataclasses import dataclass, fields
 
 
+PROBITY_ONLY = ("kept_keys_gib", "heap_keep_gib", "grammar_cache_mib", "max_distribution_floats")
+
+
 @dataclass(frozen=True)
 class EngineFlags:
     max_running: int = 64          # sequences run at once
@@ -17,6 +20,7 @@ class EngineFlags:
     kept_keys_gib: float = 1.0     # probity's engine: one decode group's gathered keys, kept between steps
     heap_keep_gib: float = 1.0     # probity's engine: free heap kept mapped (glibc's trim threshold)
     grammar_cache_mib: float = 256.0  # probity's engine: compiled grammars kept, by their measured memory
+    max_distribution_floats: int = 1 << 23  # probity's engine: distribution floats (rows x vocabulary) one request may ask for
 
     HELP = {
         "max_running": "sequences the engine runs at once",
@@ -30,6 +34,8 @@ class EngineFlags:
                          "threshold; a step's temporaries reuse it instead of faulting pages in again)",
         "grammar_cache_mib": "memory the engine's compiled grammars may hold, as measured when each was compiled "
                              "(least recently used dropped first)",
+        "max_distribution_floats": "whole-distribution floats (positions x vocabulary) one request may ask for "
+                                   "(`distribution: true`; 0: none)",
     }
 
     def problem(self) -> str | None:
@@ -40,6 +46,8 @@ class EngineFlags:
             return "--kv-cache-gib must be above 0"
         if self.kept_keys_gib < 0 or self.heap_keep_gib < 0 or self.grammar_cache_mib < 0:
             return "--kept-keys-gib, --heap-keep-gib and --grammar-cache-mib must be at least 0"
+        if self.max_distribution_floats < 0:
+            return "--max-distribution-floats must be at least 0"
         if self.threads is not None and self.threads < 1:
             return "--threads must be at least 1"
         return None
@@ -50,7 +58,7 @@ class EngineFlags:
         out: list[str] = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if v == f.default or (not memory_knobs and f.name in ("kept_keys_gib", "heap_keep_gib", "grammar_cache_mib")):
+            if v == f.default or (not memory_knobs and f.name in PROBITY_ONLY):
                 continue
             if f.name == "prefix_cache":
                 out.append("--no-prefix-cache")
@@ -66,7 +74,7 @@ class EngineFlags:
                 parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                                     help=cls.HELP[f.name])
             else:
-                kind = int if f.name in ("max_running", "step_tokens", "threads") else float
+                kind = int if f.name in ("max_running", "step_tokens", "threads", "max_distribution_floats") else float
                 parser.add_argument(name, type=kind, default=f.default, help=cls.HELP[f.name])
 
     @classmethod

@@ -15,7 +15,7 @@ from .attention import KEY_ALIGN, AttnGroup, Kept, masks
 from .kv_cache import EchoCache
 from .log import log
 from .model import UnsupportedModel
-from .tables import top_lists, with_chosen
+from .tables import row_reports, top_lists, with_chosen
 from .sequence import Sequence
 
 PAD_ROWS = 32                 # the multiple a general-path step is padded to where its modules need it
@@ -47,7 +47,7 @@ def kv_blocks(model, gib: float, block_size: int) -> int:
 @dataclass
 class SeqResult:
     """What one step produced for one sequence."""
-    echo: list[tuple[int, float, list | None]] = field(default_factory=list)  # (position, logprob, table)
+    echo: list[tuple] = field(default_factory=list)  # (position, logprob, table[, row reports])
     logits: torch.Tensor | None = None   # raw logits of the row to sample from
     lp: torch.Tensor | None = None       # its log-softmax
 
@@ -328,14 +328,17 @@ class ModelRunner:
             a = seq.num_computed
             if seq.echo_next:
                 k = seq.request.sampling.logprobs
+                # whole rows (distribution, score_tokens) are not kept: such positions are computed
+                rows = seq.request.sampling.reports_rows
                 pos = list(range(seq.echo_next, min(a + n, len(seq.prompt) - 1) + 1))
                 slots = [seq.blocks[(p - 1) // bs] * bs + (p - 1) % bs for p in pos]
-                hits = self.echo.lookup(slots, [seq.prompt[p] for p in pos], k) if pos else []
+                hits = (self.echo.lookup(slots, [seq.prompt[p] for p in pos], k) if pos and not rows
+                        else [None] * len(pos))
                 for p, slot, hit in zip(pos, slots, hits):
                     key = (slot, seq.prompt[p], k)
                     if hit is not None:
                         results[i].echo.append((p, *hit))
-                    elif key in first:
+                    elif key in first and not rows:
                         shared.append((i, p, key))
                     else:
                         first.add(key)
@@ -369,7 +372,9 @@ class ModelRunner:
             self.echo.store([chunk[j].slot for j in js], targets, vals, k, lists)
             tables = ([with_chosen(ls, t, v) for ls, t, v in zip(lists, targets, vals)] if lists is not None
                       else [None] * len(js))
-            results[i].echo += list(zip(pos, vals, tables))
+            s = seq.request.sampling
+            rows = row_reports(sub, s.distribution, s.score_tokens) if s.reports_rows else None
+            results[i].echo += list(zip(pos, vals, tables, rows)) if rows else list(zip(pos, vals, tables))
             if computed is not None:
                 for j, t, v, table in zip(js, targets, vals, tables):
                     computed[(chunk[j].slot, t, k)] = (v, table)

@@ -4,7 +4,12 @@ the logits in float32, before any penalty, bias, temperature, top-k or top-p, an
 value in its table is the very float reported for it elsewhere."""
 from __future__ import annotations
 
+import base64
+
+import numpy as np
 import torch
+
+from ..protocol import finite_or_none
 
 
 def top_tables(lp: torch.Tensor, chosen: list[int], k: int) -> list[list[tuple[int, float]]]:
@@ -49,3 +54,22 @@ def with_chosen(pairs: list[tuple[int, float]], chosen: int, value: float) -> li
     if any(i == chosen for i, _ in pairs):
         return list(pairs)
     return sorted([*pairs, (chosen, value)], key=lambda p: (-p[1], p[0]))
+
+
+def row_reports(lp: torch.Tensor, distribution: bool, score_ids: tuple[int, ...]) -> list[dict] | None:
+    """What each row of lp (positions x vocab) reports beyond its value and table, when the
+    request asked: `dist`, the whole row as little-endian float32 in base64, and `scores`, the
+    values of `score_ids` in their order (null where a value is not finite, as everywhere). Both
+    are lp's own floats, so each equals the same token's value in a table or as the chosen one."""
+    if not distribution and not score_ids:
+        return None
+    out: list[dict] = [{} for _ in range(lp.shape[0])]
+    if distribution:
+        raw = np.ascontiguousarray(lp.detach().to(torch.float32).numpy(), dtype="<f4")
+        for r, e in enumerate(out):
+            e["dist"] = base64.b64encode(raw[r].tobytes()).decode("ascii")
+    if score_ids:
+        vals = lp[:, torch.tensor(score_ids)].tolist()
+        for e, row in zip(out, vals):
+            e["scores"] = [finite_or_none(v) for v in row]
+    return out

@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass
 
 from . import strict_json
-from .schema import (Bool, Enum, Hex, Int, KiB, List, MiB, Null, Num, Obj, ProtocolViolation, Schema, SchemaError,
+from .schema import (B64, Bool, Enum, Hex, Int, KiB, List, MiB, Null, Num, Obj, ProtocolViolation, Schema, SchemaError,
                      Str, Tuple, _fail)
-from .submit import MAX_CHOICES, MAX_LOGPROBS, MAX_MEMBERS, MAX_STOP_CHARS, SUBMIT_SCHEMA, TOKEN_ID
+from .submit import MAX_CHOICES, MAX_LOGPROBS, MAX_MEMBERS, MAX_SCORE_TOKENS, MAX_STOP_CHARS, SUBMIT_SCHEMA, TOKEN_ID
 
 PROTOCOL_VERSION = 1
 MAX_HEADER = 64  # bytes, LF excluded
@@ -27,6 +27,7 @@ MAX_RESULT_IDS = 1 << 21  # ids in one tokenize result
 MAX_ECHO_POSITIONS = 4096
 ECHO_CHUNK = 256          # positions an engine sends per ECHO frame (fewer when they are large)
 MAX_TOKEN_ENTRIES = 256
+MAX_DIST_VOCAB = 1 << 20  # a distribution row (float32, base64) of a larger vocabulary would not fit a frame
 ID = Int(0, 2**64 - 1)
 LOGPROB = Null(Num())
 TOP = List(Tuple(TOKEN_ID, Hex(), LOGPROB), MAX_TOP)
@@ -42,13 +43,16 @@ ERROR_CODES = (
     "PROTOCOL",           # id 0 only: the engine could not read the server's frames; it exits
 )
 
+# what a position reports beyond its value and table, when SUBMIT asked: its whole log-softmax
+# row (float32, little-endian, base64) and the values of SUBMIT's score_tokens, in their order
+_ROW = {"dist": B64(4 * MAX_DIST_VOCAB), "scores": List(LOGPROB, MAX_SCORE_TOKENS, 1)}
 _position = Obj(
     {"id": TOKEN_ID, "bytes": Hex(), "logprob": LOGPROB},
-    {"top": Null(TOP), "template": Bool()},  # template: a chat prompt's token that its template wrote
+    {"top": Null(TOP), "template": Bool(), **_ROW},  # template: a chat prompt's token that its template wrote
 )
 _token = Obj(
     {"id": TOKEN_ID, "bytes": Hex(), "logprob": LOGPROB},
-    {"top": Null(TOP), "keep": Int(0, 4 * KiB), "eos": Bool()},
+    {"top": Null(TOP), "keep": Int(0, 4 * KiB), "eos": Bool(), **_ROW},
 )
 _usage = Obj({"prompt_tokens": Int(), "completion_tokens": Int(), "cached_tokens": Int()})
 _finished = Obj({
@@ -100,6 +104,8 @@ _kind("READY", "engine", 1 * MiB, Obj({
         # constrained decoding (SUBMIT's grammar), and how the chat template writes tool calls
         "grammar": Bool(), "tool_format": Enum("hermes", "llama3_json", "mistral"),
         "tools_in_template": Bool(),
+        # SUBMIT's distribution and score_tokens, and the most distribution floats one request may ask for
+        "distribution": Bool(), "score_tokens": Bool(), "max_distribution_floats": Int(),
     }),
     "concurrency": Int(1, 4096),
 }, {
@@ -110,11 +116,13 @@ _kind("READY", "engine", 1 * MiB, Obj({
 }))
 _kind("ACCEPT", "engine", 64 * KiB, Obj({
     "members": List(Obj({"prompt_tokens": Int(), "cached_tokens": Int()}), MAX_MEMBERS, 1),
+}, {
+    "score_ids": List(TOKEN_ID, MAX_SCORE_TOKENS, 1),  # SUBMIT's score_tokens as ids, in their order
 }))
-_kind("ECHO", "engine", 4 * MiB, Obj({
+_kind("ECHO", "engine", 8 * MiB, Obj({
     "member": Int(0, MAX_MEMBERS - 1), "start": Int(), "positions": List(_position, MAX_ECHO_POSITIONS, 1),
 }))
-_kind("TOKEN", "engine", 1 * MiB, Obj({
+_kind("TOKEN", "engine", 8 * MiB, Obj({
     "member": Int(0, MAX_MEMBERS - 1), "choice": Int(0, MAX_CHOICES - 1),
     "tokens": List(_token, MAX_TOKEN_ENTRIES, 1),
 }))
@@ -171,9 +179,10 @@ def encode(kind: str, rid: int, payload: dict) -> bytes:
 
 def entry_size_bound(e: dict) -> int:
     """An upper bound on the encoded size of one ECHO position or TOKEN entry: ids of at most
-    10 digits, floats of at most 24 characters, hex as given (a cheap sum, no encoding)."""
+    10 digits, floats of at most 24 characters, hex and base64 as given (a cheap sum, no encoding)."""
     top = e.get("top") or ()
-    return 128 + len(e["bytes"]) + sum(48 + len(t[1]) for t in top)
+    return (128 + len(e["bytes"]) + sum(48 + len(t[1]) for t in top) + len(e.get("dist", ""))
+            + 32 * len(e.get("scores", ())))
 
 
 def entry_chunks(kind: str, entries: list[dict], max_items: int) -> list[tuple[int, list[dict]]]:

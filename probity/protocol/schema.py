@@ -83,6 +83,29 @@ def Hex(max_bytes: int = 4 * KiB) -> Schema:
     return check
 
 
+_B64_RE = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+
+
+def B64(max_bytes: int) -> Schema:
+    """Standard base64 (RFC 4648, padded) of at most max_bytes bytes."""
+    def check(v: Any, path: str) -> None:
+        if type(v) is not str or len(v) > 4 * ((max_bytes + 2) // 3) or not _B64_RE.fullmatch(v):
+            _fail(path, "expected base64 bytes")
+    return check
+
+
+def IntOrStr(as_int: Schema, as_str: Schema) -> Schema:
+    """An integer checked by `as_int` or a string checked by `as_str`."""
+    def check(v: Any, path: str) -> None:
+        if type(v) is int:
+            as_int(v, path)
+        elif type(v) is str:
+            as_str(v, path)
+        else:
+            _fail(path, "expected integer or string")
+    return check
+
+
 def Enum(*values: str) -> Schema:
     def check(v: Any, path: str) -> None:
         if type(v) is not str or v not in values:

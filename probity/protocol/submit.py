@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .schema import Bool, Enum, IdMap, Int, List, MiB, Num, Obj, OneKey, SchemaError, Str
+from .schema import Bool, Enum, IdMap, Int, IntOrStr, List, MiB, Num, Obj, OneKey, SchemaError, Str
 
 MAX_LOGPROBS = 32         # alternatives in one top table (the chosen token may add one)
 MAX_MEMBERS = 128         # prompts in one request
@@ -22,6 +22,8 @@ MAX_STOPS = 32            # stop strings in one request
 MAX_STOP_CHARS = 4096     # characters in one stop string (DONE names the matched one)
 MAX_TOKENS = 1 << 24      # max_tokens
 MAX_LOGIT_BIAS = 1024     # logit_bias entries
+MAX_SCORE_TOKENS = 256    # score_tokens: tokens whose values every position reports
+MAX_SCORE_TEXT = 256      # characters in one score_tokens string (it must be one token's text)
 TEMPERATURE = (0.0, 2.0)
 TOP_P = (0.0, 1.0)        # open at 0
 PENALTY = (-2.0, 2.0)     # presence_penalty, frequency_penalty
@@ -52,6 +54,8 @@ class Sampling:
     echo: bool = False             # report the prompt's positions too
     grammar: str | None = None     # llguidance grammar text every choice's tokens must follow
     constrained_logprobs: bool = False  # report the grammar's renormalised distribution, not the raw one
+    distribution: bool = False     # report each position's whole log-softmax row (float32)
+    score_tokens: tuple[int | str, ...] = ()  # tokens (ids, or one token's text) whose values each position reports
 
     def wire(self) -> dict[str, Any]:
         """SUBMIT's sampling fields. Defaults are omitted, so a request that spells out a
@@ -75,7 +79,16 @@ class Sampling:
             out["grammar"] = self.grammar
         if self.constrained_logprobs:
             out["constrained_logprobs"] = True
+        if self.distribution:
+            out["distribution"] = True
+        if self.score_tokens:
+            out["score_tokens"] = list(self.score_tokens)
         return out
+
+    @property
+    def reports_rows(self) -> bool:
+        """Whether each reported position carries more than its token's value and table."""
+        return self.distribution or bool(self.score_tokens)
 
     @classmethod
     def from_wire(cls, p: dict) -> "Sampling":
@@ -87,7 +100,8 @@ class Sampling:
                 frequency_penalty=float(p.get("frequency_penalty", 0.0)),
                 logit_bias={int(k): float(v) for k, v in p.get("logit_bias", {}).items()},
                 logprobs=p.get("logprobs"), echo=p.get("echo", False), grammar=p.get("grammar"),
-                constrained_logprobs=p.get("constrained_logprobs", False))
+                constrained_logprobs=p.get("constrained_logprobs", False),
+                distribution=p.get("distribution", False), score_tokens=tuple(p.get("score_tokens", ())))
         if s.max_tokens == 0 and not s.echo:
             raise SchemaError("SUBMIT.max_tokens", "0 is only meaningful with echo")
         if s.constrained_logprobs and s.grammar is None:
@@ -157,6 +171,8 @@ SUBMIT_SCHEMA = Obj({"op": Enum("generate", "tokenize", "detokenize", "render")}
     "echo": Bool(),
     "grammar": Str(MAX_GRAMMAR, min_len=1),
     "constrained_logprobs": Bool(),
+    "distribution": Bool(),
+    "score_tokens": List(IntOrStr(TOKEN_ID, Str(MAX_SCORE_TEXT, min_len=1)), MAX_SCORE_TOKENS, 1),
     "tools": Str(MAX_GRAMMAR, min_len=2),   # JSON text: OpenAI's tools array, for messages members
     "max_prompt_tokens": Int(1),       # the members' prompt tokens together, at most (batches)
     "add_special_tokens": Bool(),      # tokenize, render

@@ -7,7 +7,7 @@ from .errors import APIError
 
 def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = False, ids: bool = False,
                        seed: bool = False, chat: bool = False, members: int = 1, choices: int = 1,
-                       grammar: bool = False) -> None:
+                       grammar: bool = False, distribution: bool = False, score_tokens: bool = False) -> None:
     caps = info["capabilities"]
 
     def missing(param: str, what: str) -> APIError:
@@ -25,6 +25,10 @@ def check_capabilities(info: dict, *, logprobs: int | None = None, echo: bool = 
         raise missing("messages", "chat (the model has no chat template)")
     if grammar and not caps.get("grammar", False):
         raise missing("response_format", "constrained decoding (response_format, structured_outputs, forced tools)")
+    if distribution and not caps.get("distribution", False):
+        raise missing("distribution", "whole distributions (distribution: true)")
+    if score_tokens and not caps.get("score_tokens", False):
+        raise missing("score_tokens", "score_tokens")
     if members > caps["max_members"]:
         raise missing("prompt", f"batches of more than {caps['max_members']} members")
     if choices > caps["max_choices"]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 
 from .. import protocol as P
-from .pieces import TextBuilder, build_pieces, chat_logprobs, completion_logprobs, own_label
+from .pieces import RowReports, TextBuilder, build_pieces, chat_logprobs, completion_logprobs, own_label
 from .capabilities import check_capabilities
 from .generation import Generation, Source
 from .responses import json_answer
@@ -39,7 +39,8 @@ async def completions(svc: Service, request: Request, body: dict):
     req = await off_loop(parse_completion, body, m["id"], m["vocab_size"], svc.limits)
     s = req.sampling
     check_capabilities(info, logprobs=s.logprobs, echo=s.echo, ids=any("ids" in x for x in req.members),
-                       seed=s.seed is not None, members=len(req.members), choices=s.n, grammar=s.grammar is not None)
+                       seed=s.seed is not None, members=len(req.members), choices=s.n, grammar=s.grammar is not None,
+                       distribution=s.distribution, score_tokens=bool(s.score_tokens))
     budget = svc.limits.batch_prompt_tokens if len(req.members) > 1 else None
     gen = Generation(svc, request, P.generate_payload(req.members, s, budget),
                      Source("prompt", req.is_array, req.grammar_param),
@@ -52,12 +53,13 @@ async def completions(svc: Service, request: Request, body: dict):
     out = await gen.collect()
     n = s.n
     fins = {(c["member"], c["choice"]): c for c in out.done["choices"]}
+    rows = RowReports.of(s, out.accept)
 
     def choice(mi: int, ci: int) -> dict:
         pieces = build_pieces(out.tokens.pop((mi, ci), []), out.echo.get(mi, []) if ci < n - 1 else out.echo.pop(mi, []))
         lp = None
-        if s.logprobs is not None:
-            lp = completion_logprobs(pieces, 0, req.token_ids_labels).as_dict()
+        if s.logprobs is not None or rows.any:
+            lp = completion_logprobs(pieces, 0, req.token_ids_labels, rows).as_dict()
         return {"index": mi * n + ci, "text": "".join(p.text for p in pieces), "logprobs": lp,
                 "finish_reason": fins[(mi, ci)]["finish_reason"]}
 
@@ -91,6 +93,7 @@ class _ChoiceStream:
 async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict):
     n = req.sampling.n
     k = req.sampling.logprobs
+    rows = RowReports.of(req.sampling, gen.accept)
     streams = [_ChoiceStream() for _ in range(n)]
     echo: list[dict] = []
     echo_sent = not req.sampling.echo
@@ -100,8 +103,8 @@ async def stream_completion(gen: Generation, req: CompletionRequest, meta: dict)
         s = streams[ci]
         text = "".join(p.text for p in pieces)
         lp = None
-        if k is not None:
-            lp = completion_logprobs(pieces, s.offset, req.token_ids_labels).as_dict()
+        if k is not None or rows.any:
+            lp = completion_logprobs(pieces, s.offset, req.token_ids_labels, rows).as_dict()
         s.offset += len(text)
         return sse({**meta, "object": "text_completion",
                     "choices": [{"index": ci, "text": text, "logprobs": lp, "finish_reason": finish}], **no_usage})
@@ -138,7 +141,8 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     s = req.sampling
     k = req.top_logprobs
     check_capabilities(info, logprobs=s.logprobs, seed=s.seed is not None, chat=True, choices=s.n,
-                       grammar=s.grammar is not None, echo=s.echo)
+                       grammar=s.grammar is not None, echo=s.echo, distribution=s.distribution,
+                       score_tokens=bool(s.score_tokens))
     payload = P.generate_payload([{"messages": req.messages}], s,
                                  tools=req.tools.wire() if in_use(req.tools) else None)
     gen = Generation(svc, request, payload, Source("messages", grammar=req.grammar_param), choices=s.n, echo=s.echo)
@@ -153,9 +157,11 @@ async def chat_completions(svc: Service, request: Request, body: dict):
     if req.prompt_logprobs is not None:
         extra.update(prompt_logprobs(out.echo.get(0, []), req.prompt_logprobs, s.logprobs))
 
+    score_ids = out.accept.get("score_ids")
+
     def choice(ci: int) -> dict:
         pieces = build_pieces(out.tokens.pop((0, ci), []))
-        lp = {"content": _chat_lp(pieces, k), "refusal": None} if k is not None else None
+        lp = _chat_lp_object(pieces, k, score_ids) if k is not None else None
         text = "".join(p.text for p in pieces)
         message = {"role": "assistant", "content": text, "refusal": None}
         finish = fins[ci]["finish_reason"]
@@ -194,16 +200,22 @@ def prompt_logprobs(echo: list[dict], k: int, width: int) -> dict:
             "prompt_template_mask": [bool(e.get("template", False)) for e in echo]}
 
 
-def _chat_lp(pieces: list, k: int) -> list[dict]:
+def _chat_lp_object(pieces: list, k: int, score_ids: list[int] | None) -> dict:
+    """A chat choice's (or chunk's) logprobs: each token's entry (its top k; its distribution and
+    token_scores when asked), and the ids score_tokens named."""
     entries = chat_logprobs(pieces)
     for e in entries:
         e["top_logprobs"] = e["top_logprobs"][:k]
-    return entries
+    out = {"content": entries, "refusal": None}
+    if score_ids is not None:
+        out["score_token_ids"] = score_ids
+    return out
 
 
 async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
     n = req.sampling.n
     k = req.top_logprobs
+    score_ids = gen.accept.get("score_ids")
     streams = [_ChoiceStream() for _ in range(n)]
     tools = [ToolText(req.tools) if in_use(req.tools) else None for _ in range(n)]
     held_pieces: list[list] = [[] for _ in range(n)]
@@ -212,7 +224,7 @@ async def stream_chat(gen: Generation, req: ChatRequest, meta: dict):
     def chunk(ci: int, delta: dict, pieces: list | None = None, finish: str | None = None) -> bytes:
         lp = None
         if k is not None and pieces:
-            lp = {"content": _chat_lp(pieces, k), "refusal": None}
+            lp = _chat_lp_object(pieces, k, score_ids)
         return sse({**meta, "object": "chat.completion.chunk",
                     "choices": [{"index": ci, "delta": delta, "logprobs": lp, "finish_reason": finish}], **no_usage})
 

@@ -38,6 +38,8 @@ class Piece:
     top: list | None    # [[id, hex, logprob], ...] sorted, or None
     conditioned: bool = True  # False only for echo position 0
     eos: bool = False   # the generated end-of-sequence token: reported, but not part of the text
+    dist: str | None = None      # the whole log-softmax row (base64 float32), when asked for
+    scores: list | None = None   # score_tokens' values, when asked for
 
     @property
     def label(self) -> str:
@@ -58,9 +60,11 @@ class TextBuilder:
         raw = token[: e["keep"]] if "keep" in e else token
         if e.get("eos"):
             self.finish()  # an incomplete character before EOS ends as U+FFFD in the text, not in EOS
-            p = Piece(e["id"], token, raw, "", e["logprob"], e.get("top"), conditioned, eos=True)
+            p = Piece(e["id"], token, raw, "", e["logprob"], e.get("top"), conditioned, eos=True,
+                      dist=e.get("dist"), scores=e.get("scores"))
         else:
-            p = Piece(e["id"], token, raw, self.dec.decode(raw), e["logprob"], e.get("top"), conditioned)
+            p = Piece(e["id"], token, raw, self.dec.decode(raw), e["logprob"], e.get("top"), conditioned,
+                      dist=e.get("dist"), scores=e.get("scores"))
         self.pieces.append(p)
         return p
 
@@ -87,26 +91,60 @@ def build_pieces(tokens: list[dict], echo: list[dict] = ()) -> list[Piece]:
     return b.pieces
 
 
+@dataclass(frozen=True)
+class RowReports:
+    """What a request asked each position to report beyond its value and table (probity's
+    extensions): the whole distribution, and the values of score_tokens (their ids, in order)."""
+    distribution: bool = False
+    score_ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, sampling, accept: dict) -> "RowReports":
+        return cls(sampling.distribution, accept.get("score_ids"))
+
+    @property
+    def any(self) -> bool:
+        return self.distribution or self.score_ids is not None
+
+
 @dataclass
 class CompletionLogprobs:
     tokens: list = field(default_factory=list)
     token_logprobs: list = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     text_offset: list = field(default_factory=list)
+    distributions: list | None = None   # per position, base64 float32 rows (null at an echo's position 0)
+    token_scores: list | None = None    # per position, score_tokens' values
+    score_token_ids: list | None = None
 
     def as_dict(self) -> dict:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+        out = {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+               "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+        if self.distributions is not None:
+            out["distributions"] = self.distributions
+        if self.score_token_ids is not None:
+            out["score_token_ids"] = self.score_token_ids
+            out["token_scores"] = self.token_scores
+        return out
 
 
-def completion_logprobs(pieces: list[Piece], start_offset: int, token_ids: bool) -> CompletionLogprobs:
+def completion_logprobs(pieces: list[Piece], start_offset: int, token_ids: bool,
+                        rows: RowReports = RowReports()) -> CompletionLogprobs:
     out = CompletionLogprobs()
+    if rows.distribution:
+        out.distributions = []
+    if rows.score_ids is not None:
+        out.token_scores, out.score_token_ids = [], rows.score_ids
     offset = start_offset
     for p in pieces:
         label = f"token_id:{p.id}" if token_ids else p.label
         out.tokens.append(label)
         out.text_offset.append(offset)
         offset += len(p.text)
+        if out.distributions is not None:
+            out.distributions.append(p.dist if p.conditioned else None)
+        if out.token_scores is not None:
+            out.token_scores.append(p.scores if p.conditioned else None)
         if not p.conditioned:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
@@ -141,5 +179,10 @@ def chat_logprobs(pieces: list[Piece]) -> list[dict]:
         top = [{"token": own_label(bytes.fromhex(h)), "logprob": lp, "bytes": list(bytes.fromhex(h))}
                for _, h, lp in (p.top or [])]
         # the token itself, also when a stop string cut its text: `bytes` are the token's
-        out.append({"token": own_label(p.token), "logprob": p.logprob, "bytes": list(p.token), "top_logprobs": top})
+        e = {"token": own_label(p.token), "logprob": p.logprob, "bytes": list(p.token), "top_logprobs": top}
+        if p.dist is not None:
+            e["distribution"] = p.dist
+        if p.scores is not None:
+            e["token_scores"] = p.scores
+        out.append(e)
     return out

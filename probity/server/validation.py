@@ -189,6 +189,31 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
+def _row_fields(body: dict, vocab_size: int) -> dict[str, Any]:
+    """distribution and score_tokens (probity's extensions), as Sampling's keyword arguments.
+    A score_tokens string is resolved to its token by the engine (it holds the vocabulary)."""
+    distribution = _bool(body, "distribution", False)
+    v = body.get("score_tokens")
+    if v is None:
+        return dict(distribution=distribution)
+    what = f"an array of 1 to {P.MAX_SCORE_TOKENS} token ids or one-token strings"
+    if type(v) is not list or not v:
+        raise _type("score_tokens", what)
+    if len(v) > P.MAX_SCORE_TOKENS:
+        raise _value("score_tokens", what)
+    for j, t in enumerate(v):
+        where = f"score_tokens[{j}]"
+        if type(t) is int:
+            if not 0 <= t < vocab_size:
+                raise _value(where, f"a token id in [0, {vocab_size})")
+        elif type(t) is str:
+            if not 1 <= len(t) <= P.MAX_SCORE_TEXT:
+                raise _value(where, f"a string of 1 to {P.MAX_SCORE_TEXT} characters (one token's text)")
+        else:
+            raise _type(where, "a token id or a one-token string")
+    return dict(distribution=distribution, score_tokens=tuple(v))
+
+
 def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
     """The sampling fields completions and chat share, as Sampling's keyword arguments."""
     top_k = _integer(body, "top_k", 0, -1, vocab_size)
@@ -225,7 +250,7 @@ COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "logprobs", "echo", "stream", "stream_options",
     "user", "return_tokens_as_token_ids", "group_score", "response_format", "structured_outputs",
-    "constrained_logprobs",
+    "constrained_logprobs", "distribution", "score_tokens",
 }
 COMPLETION_REFUSED = {
     "best_of": "generate n choices instead and rank them client-side",
@@ -263,7 +288,7 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
         raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
     grammar, grammar_param = _grammar(body, limits.grammar)
     s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, grammar=grammar,
-                 constrained_logprobs=_constrained(body, grammar), **fields)
+                 constrained_logprobs=_constrained(body, grammar), **fields, **_row_fields(body, vocab_size))
     stream, include_usage = _stream(body)
     if stream and len(members) > 1:
         raise APIError("unsupported_value", "a prompt array is an all-or-nothing batch and cannot stream", "stream")
@@ -331,7 +356,7 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs", "top_logprobs",
     "stream", "stream_options", "user", "response_format", "structured_outputs", "tools", "tool_choice",
-    "parallel_tool_calls", "prompt_logprobs", "constrained_logprobs",
+    "parallel_tool_calls", "prompt_logprobs", "constrained_logprobs", "distribution", "score_tokens",
 }
 CHAT_REFUSED = {
     "echo": "echo is a /v1/completions feature; chat's is prompt_logprobs",
@@ -398,8 +423,17 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
     if pl is not None:
         # the prompt's positions are reported with the same table width as its tokens
         top_k = max(top_k or 0, pl)
+    rows = _row_fields(body, vocab_size)
+    asked = "distribution" if rows["distribution"] else "score_tokens" if "score_tokens" in rows else None
+    if asked and not logprobs:
+        raise APIError("invalid_value", f"'{asked}' is reported in the logprobs of each token: it needs logprobs: true",
+                       asked)
+    if asked and pl is not None:
+        raise APIError("unsupported_value", f"'{asked}' is reported for the completion's tokens, not with "
+                       "prompt_logprobs: score a prompt's positions through /v1/completions with echo", asked)
     s = Sampling(max_tokens=_integer(body, key, 16, 1, P.MAX_TOKENS), logprobs=top_k,
-                 echo=pl is not None, grammar=grammar, constrained_logprobs=_constrained(body, grammar), **fields)
+                 echo=pl is not None, grammar=grammar, constrained_logprobs=_constrained(body, grammar), **fields,
+                 **rows)
     if pl is not None and s.n > 1:
         raise APIError("invalid_value", "prompt_logprobs is given once per request: use n = 1", "prompt_logprobs")
     stream, include_usage = _stream(body)
