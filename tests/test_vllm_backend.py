@@ -353,7 +353,10 @@ def test_ready_is_truthful_refusals_match_and_stdin_eof_ends_the_engine(servers,
         caps = ready["capabilities"]
         # no grammars on vLLM here: the server refuses constrained requests by name before SUBMIT
         assert (caps["batch_invariant"], caps["prefix_cache"], caps["grammar"]) == (False, False, False)
-        mine = ("batch_invariant", "prefix_cache", "grammar")
+        # nor whole distributions or named-token scores: the server refuses them by name too
+        assert (caps["distribution"], caps["score_tokens"], caps["max_distribution_floats"]) == (False, False, 0)
+        mine = ("batch_invariant", "prefix_cache", "grammar", "distribution", "score_tokens",
+                "max_distribution_floats")
         assert {k: v for k, v in caps.items() if k not in mine} == \
             {k: v for k, v in ref["capabilities"].items() if k not in mine}
         for k in ("id", "vocab_size", "eos_token_ids", "bos_token", "eos_token", "pad_token", "chat_template",
