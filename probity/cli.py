@@ -28,9 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="probity", description="OpenAI- and Anthropic-compatible inference server "
                                  "with exact log probabilities and named failures.")
     sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve one model over HTTP",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       epilog="environment: PROBITY_ISA=avx512|avx2|generic runs probity's engine on that "
+    s = argparse.ArgumentParser(add_help=False)   # the options `serve` and `batch` share
+    epilog = ("environment: PROBITY_ISA=avx512|avx2|generic runs probity's engine on that "
                               "instruction-set path (default: this CPU's widest): torch, oneDNN, MKL and "
                               "probity's kernels are all held to it (generic: the kernels' portable build, for "
                               "any x86-64 CPU). Every path gives the same numbers bit for bit, under the same "
@@ -103,13 +102,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run this command as the engine instead of probity's own (for protocol tests); "
                         "split on spaces")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--batch-dir", type=Path, default=None,
+                   help="where batch jobs (/v1/files, /v1/batches) keep their files and state; a server started "
+                        "on the same folder resumes the jobs it holds (default: the cache folder's batches/)")
+    s.add_argument("--batch-disk-mib", type=float, default=10240.0,
+                   help="bytes every stored batch file may hold together (uploads, outputs, errors); beyond it "
+                        "400 storage_full")
+    s.add_argument("--max-file-mib", type=float, default=200.0, help="one uploaded file, at most (413 above)")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    sub.add_parser("serve", parents=[s], help="serve one model over HTTP", formatter_class=fmt, epilog=epilog)
+    b = sub.add_parser("batch", parents=[s], formatter_class=fmt, epilog=epilog,
+                       help="run a JSONL file of requests (OpenAI's batch input format) without a server",
+                       description="Run every line of INPUT (OpenAI's batch input: {custom_id, method, url, body} "
+                                   "a line) through the model, at the engine's full batching, and write each "
+                                   "line's result (OpenAI's batch output shape) to OUTPUT in input order.")
+    b.add_argument("input", type=Path, help="the requests, one JSON object a line")
+    b.add_argument("output", type=Path, help="the results, one JSON object a line (written when all are done)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.command != "serve":
-        return
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _loopback(args.host) and not args.api_key and not args.allow_unauthenticated_remote:
         sys.exit(f"probity: refusing to bind {args.host} without --api-key "
@@ -141,10 +154,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("probity: the --grammar-max-* and --grammar-compile-* bounds must be above 0")
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         sys.exit(f"probity: --max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's own limit)")
+    if not (args.batch_disk_mib > 0 and args.max_file_mib > 0):
+        sys.exit("probity: --batch-disk-mib and --max-file-mib must be above 0")
+    if args.command == "batch" and not args.input.is_file():
+        sys.exit(f"probity: {args.input} is not a file")
 
     import uvicorn
 
+    from .engine.cache_dir import cache_dir
     from .server.app import create_app
+    from .server.batches import BatchLimits
     from .server.service import Config
     from .server.grammar_check import GrammarCheck
     from .server.validation import Limits
@@ -169,7 +188,18 @@ def main(argv: list[str] | None = None) -> None:
                       GrammarCheck(Bounds(args.grammar_max_nodes, args.grammar_max_properties,
                                           args.grammar_max_choices, args.grammar_max_repeat, args.grammar_max_depth),
                                    args.grammar_compile_seconds, args.grammar_compile_mib)),
-        engine_args=engine_args, engine_command=engine_command)
+        engine_args=engine_args, engine_command=engine_command,
+        batch=BatchLimits(args.batch_dir or cache_dir("batches"), int(args.batch_disk_mib * (1 << 20)),
+                          int(args.max_file_mib * (1 << 20))))
+    if args.command == "batch":
+        import asyncio
+
+        from .server.batch_file import run_file
+        b = asyncio.run(run_file(config, args.input, args.output))
+        c = b["request_counts"]
+        print(f"probity: {c['completed']} of {c['total']} lines answered, {c['failed']} failed: {args.output}",
+              file=sys.stderr)
+        return
     from .server.http11 import DeadlineH11Protocol
 
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,

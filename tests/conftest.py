@@ -76,6 +76,9 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"probity-test-{self.port}.log"
         self.log = open(self.log_path, "wb")
+        if "--batch-dir" not in args:
+            # a batch store of its own: no test server resumes another's batch jobs
+            args = [*args, "--batch-dir", str(self.log_path.with_suffix(".batches"))]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "probity", "serve", "--port", str(self.port), *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},

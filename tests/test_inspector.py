@@ -289,6 +289,25 @@ def test_api_errors_are_shown_by_name(server, page, tmp_path):
     assert err.locator(".param").inner_text() == "prompt[1]" and "continuation 2" in err.inner_text()
 
 
+def test_batch_jobs_tab_shows_each_jobs_progress_as_the_api_reports_it(server, page):
+    lines = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": {"model": TINY_ID, "prompt": f"line {i}", "max_tokens": 2}}).encode() + b"\n"
+                     for i in range(5))
+    f = httpx.post(server.url + "/v1/files", headers=AUTH, files={"file": ("in.jsonl", lines)},
+                   data={"purpose": "batch"}).json()
+    b = httpx.post(server.url + "/v1/batches", headers=AUTH, json={
+        "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+    use_key(page)
+    page.click("#tab-batches")
+    row = page.locator(f'#batches-body tr[data-batch="{b["id"]}"]')
+    expect()(row.locator("td").nth(1)).to_have_text("completed", timeout=30000)
+    got = httpx.get(f"{server.url}/v1/batches/{b['id']}", headers=AUTH).json()["request_counts"]
+    assert [row.locator("td").nth(i).inner_text() for i in (3, 4, 5)] == [str(got[k]) for k in
+                                                                          ("completed", "failed", "total")]
+    assert got == {"total": 5, "completed": 5, "failed": 0}
+    assert row.locator("progress").get_attribute("value") == "5"
+
+
 def test_api_docs_page_renders_offline_from_probitys_own_files(browser, server):
     """/docs is Swagger UI from an installed package, not a CDN: in a browser whose every
     request to another origin is refused, it renders the whole surface under its CSP."""

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import api_docs, inspector
+from . import api_docs, batches, inspector
 from .body import read_json
 from .engine_client import EngineStartFailed
 from .errors import APIError
@@ -28,6 +28,7 @@ log = logging.getLogger("probity.server")
 
 def create_app(config: Config) -> FastAPI:
     svc = Service(config)
+    jobs: batches.Batches | None = None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -41,7 +42,9 @@ def create_app(config: Config) -> FastAPI:
             # the engine's own line above names the cause; one more line, no traceback
             print(f"probity: {e}", file=sys.stderr, flush=True)
             os._exit(3)
+        jobs.resume()   # batches a previous server left unfinished go on
         yield
+        await jobs.close()
         await svc.engine.stop()
         svc.limits.grammar.close()
 
@@ -49,13 +52,16 @@ def create_app(config: Config) -> FastAPI:
                   description="OpenAI- and Anthropic-compatible inference server with exact instrumentation. "
                               "Field-by-field contract: docs/api.md.")
     app.state.svc = svc
+    jobs = batches.Batches(batches.Store(config.batch), app, concurrency=lambda: svc.admission.capacity,
+                           served=lambda: svc.ready_info()["model"]["id"])
+    app.state.batches = jobs
     svc.metrics.routes = app.router.routes
     # `/v1/completions/` is not a route: a 404 in the envelope, not a 307 with an empty body.
     app.router.redirect_slashes = False
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
                                           "x-request-id"], expose_headers=["x-request-id", "x-queue-wait-ms"])
     app.add_middleware(Envelope, svc=svc)
@@ -63,6 +69,7 @@ def create_app(config: Config) -> FastAPI:
     api_docs.add_routes(app)
     _add_api_routes(app, svc)
     _add_info_routes(app, svc)
+    batches.add_routes(app, jobs, config.max_body, config.body_timeout)
     _add_error_handlers(app)
     return app
 

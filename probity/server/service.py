@@ -3,8 +3,10 @@ engine client, the admission queue, the limits and the metrics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .admission import Admission
+from .batches import BatchLimits
 from .engine_client import EngineClient
 from .metrics import Metrics
 from .validation import Limits
@@ -28,6 +30,7 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     engine_args: list[str] = field(default_factory=list)
     engine_command: list[str] | None = None
+    batch: BatchLimits = field(default_factory=lambda: BatchLimits(Path.home() / ".cache" / "probity" / "batches"))
 
 
 class Service:

@@ -299,6 +299,37 @@ function drawRanking() {
   });
 }
 
+// ------------------------------------------------------------------ batch jobs
+
+async function drawBatches() {
+  const body = $("batches-body");
+  try {
+    const list = (await call("GET", "/v1/batches?limit=50")).data;
+    showError("batches", null);
+    body.replaceChildren(...list.map((b) => {
+      const tr = document.createElement("tr");
+      const c = b.request_counts;
+      const bar = Object.assign(document.createElement("progress"), { max: Math.max(c.total, 1), value: c.completed + c.failed });
+      bar.setAttribute("aria-label", `${b.id} progress`);
+      const cells = [b.id, b.status, bar, c.completed, c.failed, c.total];
+      for (const x of cells) {
+        const td = tr.appendChild(document.createElement("td"));
+        if (x instanceof Node) td.append(x);
+        else td.textContent = String(x);
+      }
+      tr.dataset.batch = b.id;
+      return tr;
+    }));
+  } catch (e) {
+    showError("batches", e);
+  }
+}
+
+setInterval(() => {
+  if (!$("panel-batches").hidden) drawBatches();
+}, 2000);
+$("tab-batches").addEventListener("click", drawBatches);
+
 // ------------------------------------------------------------------ start
 
 for (const p of ["score", "generate", "compare"]) views.set(p, []);
