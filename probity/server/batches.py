@@ -166,16 +166,28 @@ def _add_usage(total: dict, rec: dict) -> None:
     total["total_tokens"] += u.get("total_tokens", 0)
 
 
-def recover(path: Path) -> list[dict]:
-    """The whole records of a results file, cutting off a last line a crash left half-written."""
+def recover(path: Path) -> Iterator[dict]:
+    """The whole records of a results file, one at a time (a 100k-line output is not held in
+    memory), after cutting off a last line a crash left half-written."""
     if not path.exists():
-        return []
-    raw = path.read_bytes()
-    end = raw.rfind(b"\n") + 1
-    if end < len(raw):
-        with open(path, "r+b") as f:
+        return
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:   # back to just after the last newline
+            f.seek(max(0, end - 65536))
+            chunk = f.read(end - max(0, end - 65536))
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                end = max(0, end - 65536) + i + 1
+                break
+            end = max(0, end - 65536)
+        if end < size:
             f.truncate(end)
-    return [json.loads(x) for x in raw[:end].splitlines() if x]
+        f.seek(0)
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
 
 
 def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -376,13 +388,16 @@ class Batches:
         out_path, err_path = store.results(b, "output"), store.results(b, "errors")
         if b["status"] == "finalizing":   # every line was done: only the end was left
             return self._finish(b, out_path, err_path, [])
-        have = [recover(out_path), recover(err_path)]
-        done = {_line_of(r["id"]) for rs in have for r in rs}
+        done: set[int] = set()
         counts = b["request_counts"]
-        counts["completed"], counts["failed"] = len(have[0]), len(have[1])
+        counts["completed"] = counts["failed"] = 0
         b["usage"] = _usage()
-        for r in have[0]:
-            _add_usage(b["usage"], r)
+        for kind, path in (("completed", out_path), ("failed", err_path)):
+            for r in recover(path):
+                done.add(_line_of(r["id"]))
+                counts[kind] += 1
+                if kind == "completed":
+                    _add_usage(b["usage"], r)
         if b["status"] == "validating":
             b.update(status="in_progress", in_progress_at=_now())
         store.save(b)
