@@ -19,7 +19,8 @@ FORGED = "/v1/models/x%22,status=%22999%22%7D%2042%20%23"
 TEMPLATES = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
              "/detokenize", "/tokenizer_info", "/v1/models", "/v1/models/{model_id:path}", "/health", "/metrics",
              "/", "/inspect", "/inspector/{name}", "/docs", "/docs/assets/{name}", "/openapi.json",
-             "other"}
+             "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+             "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", "other"}
 
 
 def scrape(s: LiveServer) -> dict[tuple[str, tuple], float]:
