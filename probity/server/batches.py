@@ -71,13 +71,21 @@ class Store:
         self.batches = limits.root / "batches"
         self.files.mkdir(parents=True, exist_ok=True)
         self.batches.mkdir(parents=True, exist_ok=True)
+        self.used_bytes()
 
     # -------------------------------------------------------------- files
     def used_bytes(self) -> int:
-        return sum(p.stat().st_size for d in (self.files, self.batches) for p in d.iterdir() if p.is_file())
+        """Every stored byte, counted from the folders (and kept in `used` for room(recount=False))."""
+        self.used = sum(p.stat().st_size for d in (self.files, self.batches) for p in d.iterdir() if p.is_file())
+        return self.used
 
-    def room(self, more: int) -> None:
-        used = self.used_bytes()
+    def wrote(self, more: int) -> None:
+        self.used += more
+
+    def room(self, more: int, recount: bool = True) -> None:
+        """Refuse `more` bytes past the bound. A running batch checks each result against the
+        count it keeps (recount=False: no folder scan a line), recounted at each save."""
+        used = self.used_bytes() if recount else self.used
         if used + more > self.limits.disk_bytes:
             raise APIError("storage_full", f"storing {more} more bytes would pass the batch store's bound of "
                            f"{self.limits.disk_bytes} bytes ({used} used; --batch-disk-mib): delete files first")
@@ -401,6 +409,7 @@ class Batches:
         if b["status"] == "validating":
             b.update(status="in_progress", in_progress_at=_now())
         store.save(b)
+        store.used_bytes()
         outs = {"output": open(out_path, "ab"), "errors": open(err_path, "ab")}
         last_save = [time.monotonic()]
         full: list[APIError] = []
@@ -408,18 +417,20 @@ class Batches:
         def record(kind: str, rec: dict) -> None:
             line = (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
             try:
-                store.room(len(line))
+                store.room(len(line), recount=False)
             except APIError as e:
                 full.append(e)
                 return
             outs[kind].write(line)
             outs[kind].flush()   # in the OS's hands: a server killed now keeps it
+            store.wrote(len(line))
             counts["completed" if kind == "output" else "failed"] += 1
             if kind == "output":
                 _add_usage(b["usage"], rec)
             if time.monotonic() - last_save[0] > 0.5:
                 last_save[0] = time.monotonic()
                 store.save(b)
+                store.used_bytes()
 
         seen: set[str] = set()
         slots = asyncio.Semaphore(max(1, self.concurrency()))
