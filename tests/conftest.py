@@ -195,6 +195,14 @@ def tiny_server(servers, tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def uncached_server(servers, tiny_model_dir):
+    """The tiny model without the prefix cache (so no echo-cache answer either): where a test
+    compares what a cache could otherwise answer and a salt cannot keep apart -- the n choices
+    of one request, or lm-eval's requests, which carry no salt."""
+    return servers.get(tiny_args(tiny_model_dir, "--no-prefix-cache"), pin=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_client(tiny_server):
     import openai
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +26,20 @@ def ok(server, **body) -> dict:
     r = complete(server, **body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def cold(server, path: str = "/v1/completions", **body) -> dict:
+    """A request no cache can answer, its 200 answer: it carries a salt no other request has
+    (the prefix cache shares blocks only among requests of one salt, and the echo cache answers
+    only for shared blocks), and its usage says no prompt token came from the cache. Tests that
+    compare two computations send both sides this way, so neither is the cache's copy of the
+    other. (The n choices of one request share its salt, and its blocks.)"""
+    body.setdefault("model", TINY_ID)
+    r = server.post(path, json={**body, "cache_salt": uuid.uuid4().hex})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, j["usage"]
+    return j
 
 
 def err(server, status=400, **body) -> dict:
@@ -124,7 +139,7 @@ def add(a: tuple, b: tuple) -> tuple:
     return tuple(x + y for x, y in zip(a, b))
 
 
-def engine_work(server) -> tuple[int, int]:
+def engine_work(server, model: str = TINY_ID) -> tuple[int, int]:
     """(forward_passes, prompt_tokens_computed) as the engine itself reports them, after
     everything sent so far. The engine sends its STATS just before the terminal frame that
     leaves it idle, so once a probe request is answered the figures include all earlier work,
@@ -134,7 +149,7 @@ def engine_work(server) -> tuple[int, int]:
         return st.get("forward_passes"), st.get("prompt_tokens_computed")
 
     before = now()
-    assert server.post("/v1/completions", json=PROBE).status_code == 200
+    assert server.post("/v1/completions", json={**PROBE, "model": model}).status_code == 200
     after = poll(lambda: (a := now()) != before and a, 30, "the probe's STATS")
     assert None not in after, after
     return after

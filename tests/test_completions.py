@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+from uuid import uuid4
 
 import pytest
 import torch
 
 from conftest import TINY_ID
-from helpers import PROBE_WORK, add, complete, engine_work, err, ok, reference_logprobs, sse_events
+from helpers import PROBE_WORK, add, cold, complete, engine_work, err, ok, reference_logprobs, sse_events
 
 
 # ------------------------------------------------------------------ SDK and shapes
@@ -131,11 +132,13 @@ def test_return_tokens_as_token_ids_labels(tiny_server):
 
 def test_streamed_logprobs_equal_non_streamed(tiny_server):
     body = dict(prompt="Prices: 5€, naïve", max_tokens=10, echo=True, logprobs=2, temperature=0.8, seed=21)
-    full = ok(tiny_server, **body)["choices"][0]
-    r = complete(tiny_server, stream=True, stream_options={"include_usage": True}, **body)
+    full = cold(tiny_server, **body)["choices"][0]
+    r = complete(tiny_server, stream=True, stream_options={"include_usage": True}, cache_salt="stream-" + str(uuid4()),
+                 **body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] >= 1
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0   # computed, not the cache's copy
     chunks = [e for e in events[:-1] if e["choices"]]
     assert chunks[0]["choices"][0]["text"].startswith("Prices")  # the first chunk carries the prompt
     text = "".join(c["choices"][0]["text"] for c in chunks)
@@ -154,10 +157,10 @@ def test_streamed_logprobs_equal_non_streamed(tiny_server):
 
 def test_same_seed_same_tokens_and_logprobs_under_concurrent_noise(tiny_server):
     body = dict(prompt="Once upon", max_tokens=20, temperature=1.0, seed=42, logprobs=2)
-    alone = ok(tiny_server, **body)["choices"][0]
+    alone = cold(tiny_server, **body)["choices"][0]
     with cf.ThreadPoolExecutor(8) as pool:
-        noise = [pool.submit(ok, tiny_server, prompt=f"noise {i}", max_tokens=15, temperature=1.0) for i in range(6)]
-        again = [pool.submit(ok, tiny_server, **body) for _ in range(2)]
+        noise = [pool.submit(cold, tiny_server, prompt=f"noise {i}", max_tokens=15, temperature=1.0) for i in range(6)]
+        again = [pool.submit(cold, tiny_server, **body) for _ in range(2)]
         results = [f.result()["choices"][0] for f in again]
         [f.result() for f in noise]
     for r in results:
@@ -166,7 +169,7 @@ def test_same_seed_same_tokens_and_logprobs_under_concurrent_noise(tiny_server):
 
 def test_seed_changes_nothing_but_sampling(tiny_server):
     common = dict(prompt="Once upon", max_tokens=8, temperature=0, logprobs=3, echo=True)
-    assert ok(tiny_server, **common)["choices"] == ok(tiny_server, seed=99, **common)["choices"]
+    assert cold(tiny_server, **common)["choices"] == cold(tiny_server, seed=99, **common)["choices"]
 
 
 def test_different_seeds_sample_differently(tiny_server):
@@ -185,25 +188,25 @@ def test_system_fingerprint_names_model_and_dtype(tiny_server):
 def test_token_id_prompt_equals_text_prompt(tiny_server, tiny_hf):
     _, tok = tiny_hf
     ids = tok("Hello world")["input_ids"]
-    a = ok(tiny_server, prompt="Hello world", max_tokens=5, temperature=0, logprobs=1, echo=True)["choices"][0]
-    b = ok(tiny_server, prompt=ids, max_tokens=5, temperature=0, logprobs=1, echo=True)["choices"][0]
+    a = cold(tiny_server, prompt="Hello world", max_tokens=5, temperature=0, logprobs=1, echo=True)["choices"][0]
+    b = cold(tiny_server, prompt=ids, max_tokens=5, temperature=0, logprobs=1, echo=True)["choices"][0]
     assert a == b
 
 
 def test_single_member_array_equals_flat_prompt(tiny_server):
-    flat = ok(tiny_server, prompt="Hello", max_tokens=5, temperature=0, logprobs=2, echo=True)
-    arr = ok(tiny_server, prompt=["Hello"], max_tokens=5, temperature=0, logprobs=2, echo=True)
+    flat = cold(tiny_server, prompt="Hello", max_tokens=5, temperature=0, logprobs=2, echo=True)
+    arr = cold(tiny_server, prompt=["Hello"], max_tokens=5, temperature=0, logprobs=2, echo=True)
     assert flat["choices"] == arr["choices"] and flat["usage"] == arr["usage"]
 
 
 def test_batch_members_equal_each_prompt_sent_alone(tiny_server):
     prompts = ["Hello", "The quick brown", "日本語", "Prices: 5€"]
     common = dict(max_tokens=6, temperature=0.9, seed=7, logprobs=2, echo=True, stop=["."])
-    batch = ok(tiny_server, prompt=prompts, n=2, **common)
+    batch = cold(tiny_server, prompt=prompts, n=2, **common)
     assert [c["index"] for c in batch["choices"]] == list(range(8))
     total = 0
     for i, p in enumerate(prompts):
-        alone = ok(tiny_server, prompt=p, n=2, **common)
+        alone = cold(tiny_server, prompt=p, n=2, **common)
         total += alone["usage"]["prompt_tokens"]
         for j in range(2):
             b, a = batch["choices"][i * 2 + j], alone["choices"][j]
@@ -360,6 +363,8 @@ def test_model_must_be_the_served_one(tiny_server):
     ("seed", 2**63, "seed", "invalid_value"), ("seed", 1.5, "seed", "invalid_type"),
     ("max_tokens", -1, "max_tokens", "invalid_value"), ("top_k", -2, "top_k", "invalid_value"),
     ("stream", "yes", "stream", "invalid_type"),
+    ("cache_salt", "", "cache_salt", "invalid_value"), ("cache_salt", "s" * 1025, "cache_salt", "invalid_value"),
+    ("cache_salt", 7, "cache_salt", "invalid_type"),
 ])
 def test_out_of_range_fields_are_named(tiny_server, field, value, param, code):
     e = err(tiny_server, prompt="Hi", **{field: value})
@@ -377,16 +382,16 @@ def test_logit_bias_and_penalties_change_sampling_not_logprobs(tiny_server, tiny
     assert ref[order[0]] - ref[t] < 50  # so a +100 bias surely makes it the greedy pick
     label = f"token_id:{t}"
     common = dict(prompt=prompt, max_tokens=1, temperature=0, logprobs=32, return_tokens_as_token_ids=True)
-    base = ok(tiny_server, **common)["choices"][0]["logprobs"]
-    biased = ok(tiny_server, logit_bias={str(t): 100}, **common)["choices"][0]["logprobs"]
+    base = cold(tiny_server, **common)["choices"][0]["logprobs"]
+    biased = cold(tiny_server, logit_bias={str(t): 100}, **common)["choices"][0]["logprobs"]
     assert label not in base["top_logprobs"][0] and biased["tokens"] == [label]
-    raw = ok(tiny_server, prompt=prompt + [t], max_tokens=0, echo=True,
+    raw = cold(tiny_server, prompt=prompt + [t], max_tokens=0, echo=True,
              logprobs=1)["choices"][0]["logprobs"]["token_logprobs"][-1]
     assert biased["token_logprobs"][0] == biased["top_logprobs"][0][label] == raw   # the identical float
     assert abs(raw - ref[t].item()) <= 1e-5
     assert {k: v for k, v in biased["top_logprobs"][0].items() if k != label} == base["top_logprobs"][0]
-    pen = ok(tiny_server, prompt="Hello", max_tokens=12, temperature=0, frequency_penalty=2.0)["choices"][0]["text"]
-    assert pen != ok(tiny_server, prompt="Hello", max_tokens=12, temperature=0)["choices"][0]["text"]
+    pen = cold(tiny_server, prompt="Hello", max_tokens=12, temperature=0, frequency_penalty=2.0)["choices"][0]["text"]
+    assert pen != cold(tiny_server, prompt="Hello", max_tokens=12, temperature=0)["choices"][0]["text"]
 
 
 def test_empty_text_prompt_is_named(tiny_server):
@@ -396,16 +401,16 @@ def test_empty_text_prompt_is_named(tiny_server):
 
 def test_reported_values_do_not_depend_on_temperature_or_top_p(tiny_server):
     common = dict(prompt="The quick brown fox", max_tokens=0, echo=True, logprobs=5)
-    a = ok(tiny_server, temperature=0, **common)["choices"][0]["logprobs"]
-    b = ok(tiny_server, temperature=1.9, top_p=0.3, top_k=3, presence_penalty=1.5, **common)["choices"][0]["logprobs"]
+    a = cold(tiny_server, temperature=0, **common)["choices"][0]["logprobs"]
+    b = cold(tiny_server, temperature=1.9, top_p=0.3, top_k=3, presence_penalty=1.5, **common)["choices"][0]["logprobs"]
     assert a == b
     # and a sampled token's reported value and table are the raw ones: the same floats as when
     # echo scores that position (no temperature, top_p or penalty there)
-    gen = ok(tiny_server, prompt="The quick", max_tokens=4, temperature=1.9, top_p=0.5, seed=4, logprobs=1,
+    gen = cold(tiny_server, prompt="The quick", max_tokens=4, temperature=1.9, top_p=0.5, seed=4, logprobs=1,
              return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
     gen_ids = [int(t.split(":")[1]) for t in gen["tokens"]]
     prompt_ids = tiny_server.post("/tokenize", json={"prompt": "The quick"}).json()["tokens"]
-    scored = ok(tiny_server, prompt=prompt_ids + gen_ids, max_tokens=0, echo=True, logprobs=1,
+    scored = cold(tiny_server, prompt=prompt_ids + gen_ids, max_tokens=0, echo=True, logprobs=1,
                 return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
     n = len(prompt_ids)
     assert len(gen["tokens"]) == 4 and scored["tokens"][n:] == gen["tokens"]

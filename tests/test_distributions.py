@@ -41,9 +41,9 @@ def rows_request(**extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uncached(servers, tiny_model_dir):
+def uncached(uncached_server):
     """A server whose prefix cache cannot answer for anything."""
-    return servers.get(tiny_args(tiny_model_dir, "--no-prefix-cache"))
+    return uncached_server
 
 
 def one_token_text(tok) -> tuple[str, int]:

@@ -8,11 +8,12 @@ transformers in-process."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from conftest import TINY_ID
-from helpers import ok, reference_logprobs
+from helpers import cold, ok, reference_logprobs
 
 EOS = "<|im_end|>"
 
@@ -61,8 +62,11 @@ def test_lm_eval_shaped_request_keeps_every_continuation_token(tiny_server, tiny
 
 def test_streamed_eos_entry_equals_non_streamed(tiny_server, eos_id):
     body = forced_eos(eos_id, prompt="Hello there", max_tokens=3, logprobs=2, echo=True)
-    plain = ok(tiny_server, **body)["choices"][0]
-    r = tiny_server.post("/v1/completions", json={**body, "stream": True})
+    plain = cold(tiny_server, **body)["choices"][0]
+    r = tiny_server.post("/v1/completions", json={**body, "stream": True, "cache_salt": f"eos-stream-{time.time_ns()}",
+                                                  "stream_options": {"include_usage": True}})
+    usage = [json.loads(line[6:])["usage"] for line in r.text.splitlines() if line.startswith('data: {"') and '"usage":{' in line]
+    assert usage[-1]["prompt_tokens_details"]["cached_tokens"] == 0   # computed, not the cache's copy
     tokens, values, offsets, text = [], [], [], ""
     for line in r.text.splitlines():
         if line.startswith("data: {"):
@@ -110,11 +114,11 @@ def test_raw_eos_value_does_not_depend_on_the_bias(tiny_server, tiny_hf, eos_id)
     ids = tiny_server.post("/tokenize", json={"model": TINY_ID, "prompt": "Numbers 0 1 2"}).json()["tokens"]
     base = {"model": TINY_ID, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 32,
             "return_tokens_as_token_ids": True}   # id labels: no two entries collapse into one key
-    free = ok(tiny_server, **base)["choices"][0]["logprobs"]
-    forced = ok(tiny_server, **base, logit_bias={str(eos_id): 100})["choices"][0]["logprobs"]
+    free = cold(tiny_server, **base)["choices"][0]["logprobs"]
+    forced = cold(tiny_server, **base, logit_bias={str(eos_id): 100})["choices"][0]["logprobs"]
     label = f"token_id:{eos_id}"
     assert forced["tokens"] == [label]
-    raw = ok(tiny_server, model=TINY_ID, prompt=ids + [eos_id], max_tokens=0, echo=True,
+    raw = cold(tiny_server, model=TINY_ID, prompt=ids + [eos_id], max_tokens=0, echo=True,
              logprobs=1)["choices"][0]["logprobs"]["token_logprobs"][-1]
     assert forced["token_logprobs"][0] == forced["top_logprobs"][0][label] == raw
     assert abs(raw - reference_logprobs(tiny_hf, ids)[-1, eos_id].item()) < 1e-5

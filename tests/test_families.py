@@ -10,11 +10,14 @@ tokens; and raw-bit invariance of every position alone = chunked = decoded one t
 from __future__ import annotations
 
 import random
+import uuid
+import zlib
 
 import pytest
 import torch
 
 from conftest import LiveServer
+from helpers import PROBE_WORK, engine_work
 from test_invariance import Harness, alone, plan_random
 
 B = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -96,7 +99,7 @@ def table_gap(ours: torch.Tensor, ref: torch.Tensor, k: int = 32) -> float:
 def test_family_has_transformers_numbers_and_bit_invariance(family):
     from probity.engine.model import path
 
-    rng = random.Random(hash(family) % 1000)
+    rng = random.Random(zlib.crc32(family.encode()))   # the same data in every process (hash() is salted)
     hf = tiny(family)
     ids = [rng.randrange(1, 300) for _ in range(40)]
     ref_lp, ref_tokens, ref_scores = reference(hf, ids, 24)
@@ -173,13 +176,16 @@ def family_server(request, tiny_model_dir, tmp_path_factory):
 
 def test_families_through_the_server(family_server):
     """The general path end to end: echo logprobs against transformers in-process, the same
-    floats alone, in a prompt array and from the prefix cache, and a chat answer from the
-    checkpoint's own template."""
+    floats alone, in a prompt array (computed there, in one forward pass with the other member)
+    and from the prefix cache, and a chat answer from the checkpoint's own template."""
     family, hf, tok, s = family_server
     model_id = s.get("/v1/models").json()["data"][0]["id"]
     prompt = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
+    salt = f"{family}-{uuid.uuid4()}"   # the first request's blocks are shared only by `again`
     body = {"model": model_id, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5}
-    first = s.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    r = s.post("/v1/completions", json={**body, "cache_salt": salt}).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    first = r["choices"][0]["logprobs"]
     ids = tok(prompt)["input_ids"]
     hf.set_attn_implementation("eager")
     with torch.no_grad():
@@ -187,10 +193,14 @@ def test_families_through_the_server(family_server):
     want = [ref[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
     got = first["token_logprobs"][1:]
     assert max(abs(a - b) for a, b in zip(got, want)) < TOL, family
-    again = s.post("/v1/completions", json=body).json()   # now from the prefix cache
+    again = s.post("/v1/completions", json={**body, "cache_salt": salt}).json()   # now from the prefix cache
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert again["choices"][0]["logprobs"] == first
-    batch = s.post("/v1/completions", json={**body, "prompt": ["Hello there, friend.", prompt]}).json()
+    before = engine_work(s, model_id)
+    batch = s.post("/v1/completions", json={**body, "prompt": ["Hello there, friend.", prompt],
+                                            "cache_salt": f"{salt}-array"}).json()
+    passes = engine_work(s, model_id)[0] - before[0] - PROBE_WORK[0]
+    assert batch["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and passes == 1, (batch["usage"], passes)
     assert batch["choices"][1]["logprobs"] == first
     chat = s.post("/v1/chat/completions", json={"model": model_id, "max_tokens": 5, "temperature": 0,
                                                "messages": [{"role": "user", "content": "Hi"}]})

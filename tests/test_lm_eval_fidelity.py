@@ -39,7 +39,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, TINY_ID
+from conftest import DEFAULT_ARGS, ROOT, TINY_ID
+from helpers import scrape, value
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 TASKS = ["probity_mc", "probity_ppl", "probity_gen"]
@@ -114,13 +115,23 @@ def _selected_models(request) -> list[str]:
 
 
 def _model(request, name: str) -> tuple[Path, str, object]:
-    """(float32 folder, model id, live server) for `name`."""
+    """(float32 folder, model id, live server without the prefix cache) for `name`: lm-eval's
+    requests carry no cache_salt, and on a cached server the second to fourth variants (and
+    every multiple-choice request after its context's first) would read the first's numbers
+    back from the cache instead of computing them."""
     if name == "tiny":
-        return request.getfixturevalue("tiny_model_dir"), TINY_ID, request.getfixturevalue("tiny_server")
+        return request.getfixturevalue("tiny_model_dir"), TINY_ID, request.getfixturevalue("uncached_server")
     from probity.engine.loader import DEFAULT_ID, converted_dir, default_model_path
 
-    server = request.getfixturevalue("default_server")
+    server = request.getfixturevalue("default_uncached")
     return converted_dir(default_model_path())[0], DEFAULT_ID, server   # the GGUF de-quantized by transformers
+
+
+@pytest.fixture(scope="module")
+def default_uncached(servers):
+    args = (*DEFAULT_ARGS, "--no-prefix-cache")
+    yield servers.get(args, pin=True, startup=600)
+    servers.release(args)
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +303,8 @@ def test_the_four_variants_are_bit_identical(evals):
     batch, so every logged response and every aggregate is the same float in all four -- not
     merely each within LL_TOL of the reference. (out.json holds floats in repr precision, so
     `!=` compares the floats lm-eval computed.)"""
+    # the server computed every request: none of its prompt tokens came from a cache
+    assert value(scrape(evals.server), "probity_prompt_tokens_cached_total") == 0
     names = list(VARIANTS)
     first_res, first = evals.variants[names[0]]
     problems = []

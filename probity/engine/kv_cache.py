@@ -2,7 +2,9 @@
 the exact prefix cache over them, and the echo cache beside them.
 
 A full block is content-addressed by the SHA-256 chain of its tokens (the parent block's digest
-and the block's token ids), so equal digests mean equal prefixes. A new sequence reuses the
+and the block's token ids), so equal digests mean equal prefixes. A request's `cache_salt`
+roots its chain in a digest of the salt (the unsalted chain's root is empty), so blocks are
+shared only among requests with the same salt, or none. A new sequence reuses the
 longest chain of full blocks that are cached or that a sequence of the same step fills
 (scheduler.py). Blocks are reference-counted: a block nobody uses stays
 cached until the pool needs room (least recently released first); a block in use is never
@@ -72,9 +74,10 @@ class BlockPool:
         table.clear()
 
     # ------------------------------------------------------------ prefix cache
-    def digests(self, tokens: list[int], upto: int) -> list[bytes]:
-        """Chain digests of the full blocks within tokens[:upto]."""
-        out, parent, bs = [], b"", self.block_size
+    def digests(self, tokens: list[int], upto: int, salt: str | None = None) -> list[bytes]:
+        """Chain digests of the full blocks within tokens[:upto], rooted in the salt's digest."""
+        parent = b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
+        out, bs = [], self.block_size
         for j in range(upto // bs):
             parent = chain(parent, tokens[j * bs:(j + 1) * bs])
             out.append(parent)

@@ -37,10 +37,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def prompt_digests(self, prompt: list[int]) -> list[bytes]:
+    def prompt_digests(self, prompt: list[int], salt: str | None) -> list[bytes]:
         """The prefix-cache chain of a prompt's full blocks, as admission looks them up (at least
         one row is always run, so the last position's block is left out)."""
-        return self.pool.digests(prompt, len(prompt) - 1)
+        return self.pool.digests(prompt, len(prompt) - 1, salt)
 
     def cached_tokens(self, prompt: list[int], digests: list[bytes]) -> int:
         """What the prefix cache holds of this prompt now."""
@@ -87,7 +87,7 @@ class Scheduler:
                 break
             tokens = seq.tokens
             if len(seq.digests) != (len(tokens) - 1) // self.pool.block_size:
-                seq.digests = self.pool.digests(tokens, len(tokens) - 1)  # at least one row is run
+                seq.digests = self.pool.digests(tokens, len(tokens) - 1, seq.request.sampling.cache_salt)  # >= 1 row runs
             shared = self.pool.prefix_blocks(seq.digests, inflight)
             hit = len(shared)
             if hit < len(seq.digests) and seq.digests[hit] in pending:

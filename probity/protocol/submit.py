@@ -24,6 +24,7 @@ MAX_TOKENS = 1 << 24      # max_tokens
 MAX_LOGIT_BIAS = 1024     # logit_bias entries
 MAX_SCORE_TOKENS = 256    # score_tokens: tokens whose values every position reports
 MAX_SCORE_TEXT = 256      # characters in one score_tokens string (it must be one token's text)
+MAX_CACHE_SALT = 1024     # characters in one cache_salt
 TEMPERATURE = (0.0, 2.0)
 TOP_P = (0.0, 1.0)        # open at 0
 PENALTY = (-2.0, 2.0)     # presence_penalty, frequency_penalty
@@ -39,7 +40,8 @@ MAX_IDS = 8 * MiB
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one request's choices are drawn and what is reported about them."""
+    """How one request's choices are drawn, what is reported about them, and which cached
+    prompts it may share (`cache_salt`: only those sent with the same salt)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,6 +58,7 @@ class Sampling:
     constrained_logprobs: bool = False  # report the grammar's renormalised distribution, not the raw one
     distribution: bool = False     # report each position's whole log-softmax row (float32)
     score_tokens: tuple[int | str, ...] = ()  # tokens (ids, or one token's text) whose values each position reports
+    cache_salt: str | None = None  # the prefix cache shares blocks only among requests with this salt
 
     def wire(self) -> dict[str, Any]:
         """SUBMIT's sampling fields. Defaults are omitted, so a request that spells out a
@@ -83,6 +86,8 @@ class Sampling:
             out["distribution"] = True
         if self.score_tokens:
             out["score_tokens"] = list(self.score_tokens)
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
         return out
 
     @property
@@ -101,7 +106,8 @@ class Sampling:
                 logit_bias={int(k): float(v) for k, v in p.get("logit_bias", {}).items()},
                 logprobs=p.get("logprobs"), echo=p.get("echo", False), grammar=p.get("grammar"),
                 constrained_logprobs=p.get("constrained_logprobs", False),
-                distribution=p.get("distribution", False), score_tokens=tuple(p.get("score_tokens", ())))
+                distribution=p.get("distribution", False), score_tokens=tuple(p.get("score_tokens", ())),
+                cache_salt=p.get("cache_salt"))
         if s.max_tokens == 0 and not s.echo:
             raise SchemaError("SUBMIT.max_tokens", "0 is only meaningful with echo")
         if s.constrained_logprobs and s.grammar is None:
@@ -173,6 +179,7 @@ SUBMIT_SCHEMA = Obj({"op": Enum("generate", "tokenize", "detokenize", "render")}
     "constrained_logprobs": Bool(),
     "distribution": Bool(),
     "score_tokens": List(IntOrStr(TOKEN_ID, Str(MAX_SCORE_TEXT, min_len=1)), MAX_SCORE_TOKENS, 1),
+    "cache_salt": Str(MAX_CACHE_SALT, min_len=1),
     "tools": Str(MAX_GRAMMAR, min_len=2),   # JSON text: OpenAI's tools array, for messages members
     "max_prompt_tokens": Int(1),       # the members' prompt tokens together, at most (batches)
     "add_special_tokens": Bool(),      # tokenize, render

@@ -226,7 +226,21 @@ def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
         presence_penalty=_number(body, "presence_penalty", 0.0, *P.PENALTY),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, *P.PENALTY),
         logit_bias=_logit_bias(body, vocab_size),
-        seed=_integer(body, "seed", None, *P.SEED))
+        seed=_integer(body, "seed", None, *P.SEED),
+        cache_salt=_cache_salt(body))
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's cache_salt: the prefix cache shares this request's prompt blocks only with requests
+    that send the same salt (a non-empty string; null: the shared, unsalted cache)."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if type(v) is not str:
+        raise _type("cache_salt", "a string")
+    if not 1 <= len(v) <= P.MAX_CACHE_SALT:
+        raise _value("cache_salt", f"a non-empty string of at most {P.MAX_CACHE_SALT} characters")
+    return v
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -250,7 +264,7 @@ COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "logprobs", "echo", "stream", "stream_options",
     "user", "return_tokens_as_token_ids", "group_score", "response_format", "structured_outputs",
-    "constrained_logprobs", "distribution", "score_tokens",
+    "constrained_logprobs", "distribution", "score_tokens", "cache_salt",
 }
 COMPLETION_REFUSED = {
     "best_of": "generate n choices instead and rank them client-side",
@@ -356,7 +370,7 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs", "top_logprobs",
     "stream", "stream_options", "user", "response_format", "structured_outputs", "tools", "tool_choice",
-    "parallel_tool_calls", "prompt_logprobs", "constrained_logprobs", "distribution", "score_tokens",
+    "parallel_tool_calls", "prompt_logprobs", "constrained_logprobs", "distribution", "score_tokens", "cache_salt",
 }
 CHAT_REFUSED = {
     "echo": "echo is a /v1/completions feature; chat's is prompt_logprobs",

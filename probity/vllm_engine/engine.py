@@ -93,7 +93,8 @@ class VllmEngine(EngineCore):
         try:
             for q in req.choices:
                 if not q.finished:
-                    self.llm.add_request(q.vid, self._TokensPrompt(prompt_token_ids=q.prompt),
+                    salt = {} if req.sampling.cache_salt is None else {"cache_salt": req.sampling.cache_salt}
+                    self.llm.add_request(q.vid, self._TokensPrompt(prompt_token_ids=q.prompt, **salt),
                                          self.params(req.sampling, q))
                     added.append(q)
         except Exception as e:  # all or nothing: what vLLM refuses for one member, no member runs
