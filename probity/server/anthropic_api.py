@@ -17,12 +17,12 @@ from ..protocol import Sampling
 from .pieces import TextBuilder, build_pieces
 from .capabilities import check_capabilities
 from .errors import APIError
+from .fields import bad_type, boolean, check_keys, integer, model_field, number, stop_field
 from .generation import Generation, Source, run_op
 from .grammar_check import GrammarCheck
-from .structured import DEFAULT_CHECK, check_keys
+from .structured import DEFAULT_CHECK
 from .tools import Tools, ToolText, calls_of, in_use, parse_tools
-from .validation import (_bool, _check_keys, _integer, _model, _number, _stop, _type, off_loop, parse_messages,
-                         text_content)
+from .validation import off_loop, parse_messages, text_content
 
 if TYPE_CHECKING:
     from .service import Service
@@ -53,19 +53,19 @@ def _anthropic_tools(body: dict, fmt: str, gc: GrammarCheck = DEFAULT_CHECK) -> 
     """Anthropic's tools and tool_choice in OpenAI's shape (structured.Tools)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and type(choice) is not dict:
-        raise _type("tool_choice", "an object")
+        raise bad_type("tool_choice", "an object")
     if tools is None:
         if choice is not None and choice.get("type") not in ("auto", "none"):
             raise APIError("invalid_value", "'tool_choice' needs 'tools'", "tool_choice")
         return None
     if type(tools) is not list:
-        raise _type("tools", "an array")
+        raise bad_type("tools", "an array")
     openai = []
     for i, t in enumerate(tools):
         w = f"tools[{i}]"
         if type(t) is not dict:
-            raise _type(w, "an object")
-        check_keys(t, ("name", "description", "input_schema", "type", "cache_control"), w)
+            raise bad_type(w, "an object")
+        check_keys(t, ("name", "description", "input_schema", "type", "cache_control"), where=w)
         if t.get("type", "custom") != "custom":
             raise APIError("unsupported_value", f"'{w}.type' {t['type']!r}: only custom (client) tools are supported",
                            f"{w}.type")
@@ -77,7 +77,7 @@ def _anthropic_tools(body: dict, fmt: str, gc: GrammarCheck = DEFAULT_CHECK) -> 
         openai.append({"type": "function", "function": fn})
     parallel, oc = None, None
     if choice is not None:   # (an object: checked first)
-        check_keys(choice, ("type", "name", "disable_parallel_tool_use"), "tool_choice")
+        check_keys(choice, ("type", "name", "disable_parallel_tool_use"), where="tool_choice")
         kind = choice.get("type")
         mapping = {"auto": "auto", "any": "required", "none": "none"}
         if kind == "tool":
@@ -91,7 +91,7 @@ def _anthropic_tools(body: dict, fmt: str, gc: GrammarCheck = DEFAULT_CHECK) -> 
         d = choice.get("disable_parallel_tool_use")
         if d is not None:
             if type(d) is not bool:
-                raise _type("tool_choice.disable_parallel_tool_use", "a boolean")
+                raise bad_type("tool_choice.disable_parallel_tool_use", "a boolean")
             parallel = not d
     try:
         return parse_tools(openai, oc, parallel, fmt, gc)
@@ -107,30 +107,30 @@ def _content_blocks(c, where: str, role: str) -> tuple[str, list[dict], list[dic
     if type(c) is str:
         return c, [], []
     if type(c) is not list:
-        raise _type(where, "a string or an array of content blocks")
+        raise bad_type(where, "a string or an array of content blocks")
     texts, calls, results = [], [], []
     for j, b in enumerate(c):
         w = f"{where}[{j}]"
         if type(b) is not dict:
-            raise _type(w, "an object")
+            raise bad_type(w, "an object")
         t = b.get("type")
         if t == "text":
             texts.append(text_content([b], where, ("cache_control", "citations")))
         elif t == "tool_use" and role == "assistant":
-            check_keys(b, ("type", "id", "name", "input", "cache_control"), w)
+            check_keys(b, ("type", "id", "name", "input", "cache_control"), where=w)
             for k in ("id", "name"):
                 if type(b.get(k)) is not str or not b[k]:
-                    raise _type(f"{w}.{k}", "a non-empty string")
+                    raise bad_type(f"{w}.{k}", "a non-empty string")
             if type(b.get("input")) is not dict:
-                raise _type(f"{w}.input", "an object")
+                raise bad_type(f"{w}.input", "an object")
             calls.append({"id": b["id"][:256], "name": b["name"][:256],
                           "arguments": json.dumps(b["input"], ensure_ascii=False)})
         elif t == "tool_result" and role == "user":
-            check_keys(b, ("type", "tool_use_id", "content", "is_error", "cache_control"), w)
+            check_keys(b, ("type", "tool_use_id", "content", "is_error", "cache_control"), where=w)
             if type(b.get("tool_use_id")) is not str:
-                raise _type(f"{w}.tool_use_id", "a string")
+                raise bad_type(f"{w}.tool_use_id", "a string")
             if b.get("is_error") is not None and type(b["is_error"]) is not bool:
-                raise _type(f"{w}.is_error", "a boolean")
+                raise bad_type(f"{w}.is_error", "a boolean")
             body = "" if b.get("content") is None else text_content(b["content"], f"{w}.content", ("cache_control",))
             results.append({"role": "tool", "content": ("Error: " + body) if b.get("is_error") else body,
                             "tool_call_id": b["tool_use_id"]})
@@ -145,12 +145,12 @@ def _parse_anthropic_messages(v) -> list[dict]:
     if v is None:
         raise APIError("missing_required_parameter", "'messages' is required", "messages")
     if type(v) is not list or not v:
-        raise _type("messages", "a non-empty array of messages")
+        raise bad_type("messages", "a non-empty array of messages")
     out, ids = [], set()
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if type(m) is not dict:
-            raise _type(where, "an object")
+            raise bad_type(where, "an object")
         for k in m:
             if k not in ("role", "content"):
                 raise APIError("unsupported_parameter", f"'{where}.{k}' is not supported", f"{where}.{k}")
@@ -195,32 +195,32 @@ def _messages_and_system(body: dict) -> list[dict]:
 
 def parse_messages_request(body: dict, served: str, vocab_size: int, fmt: str = "hermes",
                            gc: GrammarCheck = DEFAULT_CHECK) -> MessagesRequest:
-    _check_keys(body, MESSAGE_FIELDS, MESSAGE_REFUSED)
-    model = _model(body, served)
+    check_keys(body, MESSAGE_FIELDS, MESSAGE_REFUSED)
+    model = model_field(body, served)
     if body.get("max_tokens") is None:
         raise APIError("missing_required_parameter", "'max_tokens' is required", "max_tokens")
-    max_tokens = _integer(body, "max_tokens", None, 1, P.MAX_TOKENS)
+    max_tokens = integer(body, "max_tokens", None, 1, P.MAX_TOKENS)
     messages = _messages_and_system(body)
     if body.get("stop_sequences") is not None and type(body["stop_sequences"]) is not list:
-        raise _type("stop_sequences", "an array of strings")
-    s = Sampling(max_tokens=max_tokens, stop=tuple(_stop(body, "stop_sequences")),
+        raise bad_type("stop_sequences", "an array of strings")
+    s = Sampling(max_tokens=max_tokens, stop=tuple(stop_field(body, "stop_sequences")),
                  # Anthropic's own range: [0, 1]
-                 temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
-                 top_p=_number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
-                 top_k=_integer(body, "top_k", 0, 0, vocab_size))
+                 temperature=number(body, "temperature", 1.0, 0.0, 1.0),
+                 top_p=number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
+                 top_k=integer(body, "top_k", 0, 0, vocab_size))
     tools = _anthropic_tools(body, fmt, gc)
     if tools is not None and tools.forced:
         s = dataclasses.replace(s, grammar=tools.grammar(gc))
-    stream = _bool(body, "stream", False)
+    stream = boolean(body, "stream", False)
     meta = body.get("metadata")
     if meta is not None:
         if type(meta) is not dict:
-            raise _type("metadata", "an object")
+            raise bad_type("metadata", "an object")
         for k, v in meta.items():
             if k != "user_id":
                 raise APIError("unknown_parameter", f"unknown parameter 'metadata.{k}'", f"metadata.{k}")
             if v is not None and type(v) is not str:
-                raise _type("metadata.user_id", "a string")
+                raise bad_type("metadata.user_id", "a string")
     return MessagesRequest(model, messages, s, stream, tools)
 
 
@@ -402,8 +402,8 @@ async def stream_message(gen: Generation, msg_id: str, model: str, tools: Tools 
 
 async def count_tokens(svc: Service, request: Request, body: dict):
     info = svc.ready_info()
-    _check_keys(body, COUNT_TOKENS_FIELDS, {k: MESSAGE_REFUSED[k] for k in ("thinking",)})
-    _model(body, info["model"]["id"])
+    check_keys(body, COUNT_TOKENS_FIELDS, {k: MESSAGE_REFUSED[k] for k in ("thinking",)})
+    model_field(body, info["model"]["id"])
     check_capabilities(info, chat=True)
     tools = await off_loop(_anthropic_tools, body, info["capabilities"].get("tool_format", "hermes"), svc.limits.grammar)
     op = {"op": "tokenize", "members": [{"messages": _messages_and_system(body)}], "add_special_tokens": False,

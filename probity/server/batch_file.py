@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from .batches import BatchLimits, _line_of
+from .batches import BatchLimits, line_of
 
 
 async def run_file(config, inp: Path, out: Path, progress: bool = True) -> dict:
@@ -46,7 +46,7 @@ async def run_file(config, inp: Path, out: Path, progress: bool = True) -> dict:
             for key in ("output_file_id", "error_file_id"):
                 if b[key]:
                     lines += jobs.store.data(b[key]).read_bytes().splitlines()
-            lines.sort(key=lambda x: _line_of(json.loads(x)["id"]))
+            lines.sort(key=lambda x: line_of(json.loads(x)["id"]))
             tmp_out = out.with_name(out.name + ".part")
             tmp_out.write_bytes(b"".join(x + b"\n" for x in lines))
             tmp_out.replace(out)

@@ -156,7 +156,7 @@ def line_id(batch_id: str, n: int) -> str:
     return f"batch_req_{batch_id.removeprefix('batch_')}_{n}"
 
 
-def _line_of(record_id: str) -> int:
+def line_of(record_id: str) -> int:
     return int(record_id.rsplit("_", 1)[1])
 
 
@@ -402,7 +402,7 @@ class Batches:
         b["usage"] = _usage()
         for kind, path in (("completed", out_path), ("failed", err_path)):
             for r in recover(path):
-                done.add(_line_of(r["id"]))
+                done.add(line_of(r["id"]))
                 counts[kind] += 1
                 if kind == "completed":
                     _add_usage(b["usage"], r)

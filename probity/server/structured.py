@@ -12,6 +12,7 @@ import llguidance
 
 from ..protocol import grammar_reason
 from .errors import APIError
+from .fields import check_keys, object_field, string_field
 from .grammar_bounds import check_choices, check_lark, check_regex, check_schema
 from .grammar_check import OK, TOO_LARGE, GrammarCheck
 
@@ -69,7 +70,7 @@ def _check_x_guidance(schema: dict, param: str) -> None:
             raise APIError("invalid_type", f"'{where}.{k}' has the wrong type", f"{where}.{k}")
 
 
-def _strict_problems(schema: Any, where: str = "schema") -> str | None:
+def strict_problems(schema: Any, where: str = "schema") -> str | None:
     """OpenAI's strict mode: every object lists all its properties as required and sets
     additionalProperties to false. The first place that does not, or None."""
     if type(schema) is dict:
@@ -82,46 +83,24 @@ def _strict_problems(schema: Any, where: str = "schema") -> str | None:
         for k, v in schema.items():
             if k in ("properties", "$defs", "definitions") and type(v) is dict:
                 for name, sub in v.items():
-                    p = _strict_problems(sub, f"{where}.{k}.{name}")
+                    p = strict_problems(sub, f"{where}.{k}.{name}")
                     if p:
                         return p
             elif k in ("items", "additionalProperties", "not"):
-                p = _strict_problems(v, f"{where}.{k}")
+                p = strict_problems(v, f"{where}.{k}")
                 if p:
                     return p
             elif k in ("anyOf", "oneOf", "allOf", "prefixItems") and type(v) is list:
                 for i, sub in enumerate(v):
-                    p = _strict_problems(sub, f"{where}.{k}[{i}]")
+                    p = strict_problems(sub, f"{where}.{k}[{i}]")
                     if p:
                         return p
     return None
 
 
-def check_keys(obj: dict, allowed: tuple[str, ...], where: str) -> None:
-    """unknown_parameter on `where.key` for a key of obj not in `allowed`."""
-    for k in obj:
-        if k not in allowed:
-            raise APIError("unknown_parameter", f"unknown parameter '{where}.{k}'", f"{where}.{k}")
-
-
-def _obj(v: Any, param: str) -> dict:
-    if type(v) is not dict:
-        raise APIError("invalid_type", f"'{param}' must be an object", param)
-    return v
-
-
-def _str(v: Any, param: str, allow_empty: bool = False) -> str:
-    if type(v) is not str:
-        raise APIError("invalid_type" if v is not None else "missing_required_parameter",
-                       f"'{param}' must be a string" if v is not None else f"'{param}' is required", param)
-    if not v and not allow_empty:
-        raise APIError("invalid_value", f"'{param}' must be a non-empty string", param)
-    return v
-
-
 def check_name(v: Any, param: str) -> str:
     """A name OpenAI allows (a json_schema's, a function's): 1-64 of a-z, A-Z, 0-9, _ and -."""
-    name = _str(v, param)
+    name = string_field(v, param)
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
         raise APIError("invalid_value", f"'{param}' must be 1-64 of a-z, A-Z, 0-9, _ and -", param)
     return name
@@ -132,30 +111,30 @@ def response_format(rf: Any, gc: GrammarCheck = DEFAULT_CHECK) -> tuple[str, str
     the field it came from)."""
     if rf is None:
         return None
-    rf = _obj(rf, "response_format")
+    rf = object_field(rf, "response_format")
     t = rf.get("type")
     if t is None:
         raise APIError("missing_required_parameter", "'response_format.type' is required", "response_format.type")
     if t == "text":
-        check_keys(rf, ("type",), "response_format")
+        check_keys(rf, ("type",), where="response_format")
         return None
     if t == "json_object":
-        check_keys(rf, ("type",), "response_format")
+        check_keys(rf, ("type",), where="response_format")
         return json_grammar({"type": "object"}, "response_format", gc), "response_format"
     if t == "json_schema":
-        check_keys(rf, ("type", "json_schema"), "response_format")
-        js = _obj(rf.get("json_schema"), "response_format.json_schema")
-        check_keys(js, ("name", "description", "schema", "strict"), "response_format.json_schema")
+        check_keys(rf, ("type", "json_schema"), where="response_format")
+        js = object_field(rf.get("json_schema"), "response_format.json_schema")
+        check_keys(js, ("name", "description", "schema", "strict"), where="response_format.json_schema")
         check_name(js.get("name"), "response_format.json_schema.name")
         if js.get("description") is not None:
-            _str(js["description"], "response_format.json_schema.description", allow_empty=True)
+            string_field(js["description"], "response_format.json_schema.description", allow_empty=True)
         strict = js.get("strict")
         if strict is not None and type(strict) is not bool:
             raise APIError("invalid_type", "'response_format.json_schema.strict' must be a boolean",
                            "response_format.json_schema.strict")
         schema = js.get("schema", {})
         if strict:
-            problem = _strict_problems(schema)
+            problem = strict_problems(schema)
             if problem:
                 raise APIError("invalid_schema", f"'response_format.json_schema.schema' {problem}",
                                "response_format.json_schema.schema")
@@ -172,8 +151,8 @@ def structured_outputs(so: Any, gc: GrammarCheck = DEFAULT_CHECK) -> tuple[str, 
     json_object -> (grammar text, the field it came from)."""
     if so is None:
         return None
-    so = _obj(so, "structured_outputs")
-    check_keys(so, ("json", "regex", "choice", "grammar", "json_object"), "structured_outputs")
+    so = object_field(so, "structured_outputs")
+    check_keys(so, ("json", "regex", "choice", "grammar", "json_object"), where="structured_outputs")
     given = [k for k in so if so[k] is not None and so[k] is not False]
     if len(given) != 1:
         raise APIError("invalid_value", "'structured_outputs' takes exactly one of json, regex, choice, grammar, "
@@ -195,14 +174,14 @@ def _structured(k: str, v: Any, param: str, gc: GrammarCheck) -> str:
             raise APIError("invalid_type", f"'{param}' must be true", param)
         return json_grammar({"type": "object"}, param, gc)
     if k == "regex":
-        check_regex(_str(v, param), param, gc.bounds)
+        check_regex(string_field(v, param), param, gc.bounds)
         return check(llguidance.LLMatcher.grammar_from_regex(v), param, gc)
     if k == "choice":
         if type(v) is not list or not v or any(type(c) is not str or not c for c in v):
             raise APIError("invalid_type", f"'{param}' must be a non-empty array of non-empty strings", param)
         check_choices(v, param, gc.bounds)
         return check(llguidance.grammar_from("choice", v), param, gc)
-    check_lark(_str(v, param), param, gc.bounds)
+    check_lark(string_field(v, param), param, gc.bounds)
     try:  # grammar: Lark (llguidance's dialect) or GBNF
         g = llguidance.grammar_from("grammar", v)
     except ValueError as e:

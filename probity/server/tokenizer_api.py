@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .errors import APIError
+from .fields import bad_type, boolean, check_keys, model_field, token_ids
 from .generation import Source, run_op
-from .validation import _bool, _check_keys, _model, _token_ids, _type, parse_messages
+from .validation import parse_messages
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
@@ -12,28 +13,28 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 
 async def tokenize(svc, request, body: dict) -> dict:
     info = svc.ready_info()
-    _check_keys(body, TOKENIZE_FIELDS, {})
+    check_keys(body, TOKENIZE_FIELDS, {})
     if body.get("model") is not None:  # optional here, but a string that names the served model
-        _model(body, info["model"]["id"])
+        model_field(body, info["model"]["id"])
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt and has_messages:
         raise APIError("invalid_value", "give exactly one of 'prompt' or 'messages', not both", "prompt")
     if not has_prompt and not has_messages:
         raise APIError("missing_required_parameter", "give exactly one of 'prompt' or 'messages'", "prompt")
-    generation_prompt = _bool(body, "add_generation_prompt", True)
+    generation_prompt = boolean(body, "add_generation_prompt", True)
     if has_prompt:
         if type(body["prompt"]) is not str:
-            raise _type("prompt", "a string")
+            raise bad_type("prompt", "a string")
         if body.get("add_generation_prompt") is not None:
             raise APIError("invalid_value", "'add_generation_prompt' applies to 'messages' only",
                            "add_generation_prompt")
         member = {"text": body["prompt"]}
-        add_special = _bool(body, "add_special_tokens", True)
+        add_special = boolean(body, "add_special_tokens", True)
     else:
         if not generation_prompt:
             raise APIError("unsupported_value", "only add_generation_prompt: true is supported", "add_generation_prompt")
         member = {"messages": parse_messages(body["messages"])}
-        add_special = _bool(body, "add_special_tokens", False)
+        add_special = boolean(body, "add_special_tokens", False)
         if add_special:
             raise APIError("unsupported_value", "a rendered chat template already holds its special tokens",
                            "add_special_tokens")
@@ -44,15 +45,15 @@ async def tokenize(svc, request, body: dict) -> dict:
 
 async def detokenize(svc, request, body: dict) -> dict:
     info = svc.ready_info()
-    _check_keys(body, DETOKENIZE_FIELDS, {})
+    check_keys(body, DETOKENIZE_FIELDS, {})
     if body.get("model") is not None:
-        _model(body, info["model"]["id"])
+        model_field(body, info["model"]["id"])
     tokens = body.get("tokens")
     if tokens is None:
         raise APIError("missing_required_parameter", "'tokens' is required", "tokens")
     if type(tokens) is not list:
-        raise _type("tokens", "an array of token ids")
-    _token_ids(tokens, "tokens", info["model"]["vocab_size"])
+        raise bad_type("tokens", "an array of token ids")
+    token_ids(tokens, "tokens", info["model"]["vocab_size"])
     result = await run_op(svc, request, {"op": "detokenize", "ids": tokens}, Source("tokens"))
     return {"prompt": result["text"]}
 

@@ -12,10 +12,10 @@ from typing import Any
 import llguidance
 
 from .errors import APIError
+from .fields import check_keys, object_field, string_field
 from .grammar_bounds import check_lark
 from .grammar_check import GrammarCheck
-from .structured import (DEFAULT_CHECK, JSON_STYLE, _obj, _str, _strict_problems, check, check_keys, check_name,
-                         json_grammar)
+from .structured import DEFAULT_CHECK, JSON_STYLE, check, check_name, json_grammar, strict_problems
 
 MAX_TOOLS = 128
 
@@ -85,28 +85,28 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str, gc: Gramm
     out, names = [], set()
     for i, t in enumerate(tools):
         w = f"tools[{i}]"
-        t = _obj(t, w)
-        check_keys(t, ("type", "function"), w)
+        t = object_field(t, w)
+        check_keys(t, ("type", "function"), where=w)
         if t.get("type") != "function":
             raise APIError("unsupported_value", f"'{w}.type' must be \"function\"", f"{w}.type")
-        f = _obj(t.get("function"), f"{w}.function")
-        check_keys(f, ("name", "description", "parameters", "strict"), f"{w}.function")
+        f = object_field(t.get("function"), f"{w}.function")
+        check_keys(f, ("name", "description", "parameters", "strict"), where=f"{w}.function")
         name = check_name(f.get("name"), f"{w}.function.name")
         if name in names:
             raise APIError("invalid_value", f"tool name {name!r} is given twice", f"{w}.function.name")
         names.add(name)
         fn = {"name": name}
         if f.get("description") is not None:
-            fn["description"] = _str(f["description"], f"{w}.function.description", allow_empty=True)
+            fn["description"] = string_field(f["description"], f"{w}.function.description", allow_empty=True)
         params = f.get("parameters")
         if params is not None:
             where = f"{w}.function.parameters"
-            params = _obj(params, where)
+            params = object_field(params, where)
             if params.get("type", "object") != "object":  # as OpenAI: a call's arguments are an object
                 raise APIError("invalid_schema", f"'{where}' must be a JSON schema of type \"object\", not "
                                f"{json.dumps(params['type'])}", where)
             if f.get("strict") is True:
-                problem = _strict_problems(params)
+                problem = strict_problems(params)
                 if problem:
                     raise APIError("invalid_schema", f"'{where}' {problem}", where)
             # compiled alone, as the arguments of a call: a schema that admits no output
@@ -120,12 +120,12 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str, gc: Gramm
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         spec.choice = tool_choice or "auto"
     elif type(tool_choice) is dict:   # (its type was checked first: a string or an object)
-        check_keys(tool_choice, ("type", "function"), "tool_choice")
+        check_keys(tool_choice, ("type", "function"), where="tool_choice")
         if tool_choice.get("type") != "function":
             raise APIError("unsupported_value", "'tool_choice.type' must be \"function\"", "tool_choice.type")
-        fc = _obj(tool_choice.get("function"), "tool_choice.function")
-        check_keys(fc, ("name",), "tool_choice.function")
-        name = _str(fc.get("name"), "tool_choice.function.name")
+        fc = object_field(tool_choice.get("function"), "tool_choice.function")
+        check_keys(fc, ("name",), where="tool_choice.function")
+        name = string_field(fc.get("name"), "tool_choice.function.name")
         if name not in names:
             raise APIError("invalid_value", f"tool_choice names {name!r}, which is not among the tools",
                            "tool_choice.function.name")

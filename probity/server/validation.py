@@ -10,8 +10,10 @@ from starlette.concurrency import run_in_threadpool
 from .. import protocol as P
 from ..protocol import Sampling
 from .errors import APIError
+from .fields import (bad_type, bad_value, boolean, check_keys, integer, is_int, is_num, missing_field, model_field, number,
+                     stop_field, token_ids)
 from .grammar_check import GrammarCheck
-from .structured import check_keys, response_format, structured_outputs
+from .structured import response_format, structured_outputs
 from .tools import Tools, parse_tools
 
 
@@ -64,113 +66,14 @@ class ChatRequest:
 
 # ------------------------------------------------------------------ field helpers
 
-def _is_int(v: Any) -> bool:
-    return type(v) is int
-
-
-def _is_num(v: Any) -> bool:
-    # No isfinite(): it overflows (a 500) on a JSON integer beyond float range. JSON has no
-    # NaN or Infinity (read_json refuses them), so the range checks that follow compare
-    # exactly, 400-digit integers and the inf that 1e400 parses to included.
-    return type(v) in (int, float)
-
-
-def _type(param: str, what: str) -> APIError:
-    return APIError("invalid_type", f"'{param}' must be {what}", param)
-
-
-def _value(param: str, what: str) -> APIError:
-    return APIError("invalid_value", f"'{param}' must be {what}", param)
-
-
-def _missing(param: str) -> APIError:
-    return APIError("missing_required_parameter", f"'{param}' is required", param)
-
-
-def _check_keys(body: dict, allowed: set[str], refused: dict[str, str]) -> None:
-    for k in body:
-        if k in refused:
-            if body[k] is not None:
-                raise APIError("unsupported_parameter", f"'{k}' is not supported: {refused[k]}", k)
-        elif k not in allowed:
-            raise APIError("unknown_parameter", f"unknown parameter '{k}'", k)
-
-
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not _is_num(v) or type(v) is bool:
-        raise _type(key, "a number")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise _value(key, f"in {'(' if lo_open else '['}{lo}, {hi}]")
-    return float(v)
-
-
-def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise _type(key, "an integer")
-    if not lo <= v <= hi:
-        raise _value(key, f"an integer in [{lo}, {hi}]")
-    return v
-
-
-def _bool(body: dict, key: str, default: bool, nullable: bool = True, where: str = "") -> bool:
-    """`where` prefixes the param of a nested field (`stream_options.`)."""
-    v = body.get(key, default)
-    if v is None and nullable:
-        return default
-    if type(v) is not bool:
-        raise _type(where + key, "a boolean")
-    return v
-
-
-def _model(body: dict, served: str) -> str:
-    v = body.get("model")
-    if v is None:
-        raise APIError("missing_required_parameter", "'model' is required", "model")
-    if type(v) is not str:
-        raise _type("model", "a string")
-    if v != served:
-        raise APIError("model_not_found", f"model '{v}' is not served here; this server serves '{served}'", "model")
-    return v
-
-
-def _stop(body: dict, key: str = "stop") -> list[str]:
-    v = body.get(key)
-    if v is None:
-        return []
-    if type(v) is str:
-        if not v:
-            raise _value(key, "a non-empty string")
-        if len(v) > P.MAX_STOP_CHARS:
-            raise _value(key, f"at most {P.MAX_STOP_CHARS} characters")
-        return [v]
-    if type(v) is not list:
-        raise _type(key, "a string or an array of strings")
-    if len(v) > P.MAX_STOPS:
-        raise _value(key, f"at most {P.MAX_STOPS} strings")
-    for i, s in enumerate(v):
-        if type(s) is not str:
-            raise _type(f"{key}[{i}]", "a string")
-        if not s:
-            raise _value(f"{key}[{i}]", "a non-empty string")
-        if len(s) > P.MAX_STOP_CHARS:
-            raise _value(f"{key}[{i}]", f"at most {P.MAX_STOP_CHARS} characters")
-    return list(v)
-
-
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     v = body.get("logit_bias")
     if v is None:
         return {}
     if type(v) is not dict:
-        raise _type("logit_bias", "an object mapping token ids to numbers")
+        raise bad_type("logit_bias", "an object mapping token ids to numbers")
     if len(v) > P.MAX_LOGIT_BIAS:
-        raise _value("logit_bias", f"at most {P.MAX_LOGIT_BIAS} entries")
+        raise bad_value("logit_bias", f"at most {P.MAX_LOGIT_BIAS} entries")
     lo, hi = P.LOGIT_BIAS
     out: dict[int, float] = {}
     for k, b in v.items():
@@ -181,10 +84,10 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
         if int(digits) in out:  # "1" and "01" name one token: never let one bias silently replace the other
             raise APIError("invalid_value", f"logit_bias names token {digits} twice", "logit_bias")
         p = f"logit_bias.{k}"
-        if not _is_num(b):
-            raise _type(p, "a number")
+        if not is_num(b):
+            raise bad_type(p, "a number")
         if not lo <= b <= hi:
-            raise _value(p, f"in [{lo:g}, {hi:g}]")
+            raise bad_value(p, f"in [{lo:g}, {hi:g}]")
         out[int(digits)] = float(b)
     return out
 
@@ -192,41 +95,41 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
 def _row_fields(body: dict, vocab_size: int) -> dict[str, Any]:
     """distribution and score_tokens (probity's extensions), as Sampling's keyword arguments.
     A score_tokens string is resolved to its token by the engine (it holds the vocabulary)."""
-    distribution = _bool(body, "distribution", False)
+    distribution = boolean(body, "distribution", False)
     v = body.get("score_tokens")
     if v is None:
         return dict(distribution=distribution)
     what = f"an array of 1 to {P.MAX_SCORE_TOKENS} token ids or one-token strings"
     if type(v) is not list or not v:
-        raise _type("score_tokens", what)
+        raise bad_type("score_tokens", what)
     if len(v) > P.MAX_SCORE_TOKENS:
-        raise _value("score_tokens", what)
+        raise bad_value("score_tokens", what)
     for j, t in enumerate(v):
         where = f"score_tokens[{j}]"
         if type(t) is int:
             if not 0 <= t < vocab_size:
-                raise _value(where, f"a token id in [0, {vocab_size})")
+                raise bad_value(where, f"a token id in [0, {vocab_size})")
         elif type(t) is str:
             if not 1 <= len(t) <= P.MAX_SCORE_TEXT:
-                raise _value(where, f"a string of 1 to {P.MAX_SCORE_TEXT} characters (one token's text)")
+                raise bad_value(where, f"a string of 1 to {P.MAX_SCORE_TEXT} characters (one token's text)")
         else:
-            raise _type(where, "a token id or a one-token string")
+            raise bad_type(where, "a token id or a one-token string")
     return dict(distribution=distribution, score_tokens=tuple(v))
 
 
 def _sampling(body: dict, vocab_size: int) -> dict[str, Any]:
     """The sampling fields completions and chat share, as Sampling's keyword arguments."""
-    top_k = _integer(body, "top_k", 0, -1, vocab_size)
+    top_k = integer(body, "top_k", 0, -1, vocab_size)
     return dict(
-        temperature=_number(body, "temperature", 1.0, *P.TEMPERATURE),
-        top_p=_number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
+        temperature=number(body, "temperature", 1.0, *P.TEMPERATURE),
+        top_p=number(body, "top_p", 1.0, *P.TOP_P, lo_open=True),
         top_k=0 if top_k == -1 else top_k,
-        n=_integer(body, "n", 1, 1, P.MAX_CHOICES),
-        stop=tuple(_stop(body)),
-        presence_penalty=_number(body, "presence_penalty", 0.0, *P.PENALTY),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, *P.PENALTY),
+        n=integer(body, "n", 1, 1, P.MAX_CHOICES),
+        stop=tuple(stop_field(body)),
+        presence_penalty=number(body, "presence_penalty", 0.0, *P.PENALTY),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, *P.PENALTY),
         logit_bias=_logit_bias(body, vocab_size),
-        seed=_integer(body, "seed", None, *P.SEED),
+        seed=integer(body, "seed", None, *P.SEED),
         cache_salt=_cache_salt(body))
 
 
@@ -237,25 +140,25 @@ def _cache_salt(body: dict) -> str | None:
     if v is None:
         return None
     if type(v) is not str:
-        raise _type("cache_salt", "a string")
+        raise bad_type("cache_salt", "a string")
     if not 1 <= len(v) <= P.MAX_CACHE_SALT:
-        raise _value("cache_salt", f"a non-empty string of at most {P.MAX_CACHE_SALT} characters")
+        raise bad_value("cache_salt", f"a non-empty string of at most {P.MAX_CACHE_SALT} characters")
     return v
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
+    stream = boolean(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
     if type(opts) is not dict:  # the type first, as for every field, then the consistency
-        raise _type("stream_options", "an object")
+        raise bad_type("stream_options", "an object")
     if not stream:
         raise APIError("invalid_value", "'stream_options' is only allowed with stream: true", "stream_options")
     for k in opts:
         if k != "include_usage":
             raise APIError("unknown_parameter", f"unknown parameter 'stream_options.{k}'", f"stream_options.{k}")
-    return stream, _bool(opts, "include_usage", False, where="stream_options.")
+    return stream, boolean(opts, "include_usage", False, where="stream_options.")
 
 
 # ------------------------------------------------------------------ completions
@@ -278,8 +181,8 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     gs = body.get("group_score")
     if gs is not None and gs is not False:
         raise APIError("unsupported_value", "'group_score' is reserved; only null or false are accepted", "group_score")
-    _check_keys(body, COMPLETION_FIELDS, COMPLETION_REFUSED)
-    model = _model(body, served)
+    check_keys(body, COMPLETION_FIELDS, COMPLETION_REFUSED)
+    model = model_field(body, served)
     members, is_array = _prompt(body, vocab_size)
     if len(members) > limits.max_members:
         raise APIError("prompt_batch_cap_exceeded",
@@ -288,18 +191,18 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
     if lp is None or lp is False:
         logprobs = None
     elif type(lp) is not int:
-        raise _type("logprobs", f"an integer in [0, {limits.max_logprobs}]")
+        raise bad_type("logprobs", f"an integer in [0, {limits.max_logprobs}]")
     elif not 0 <= lp <= limits.max_logprobs:
-        raise _value("logprobs", f"an integer in [0, {limits.max_logprobs}]")
+        raise bad_value("logprobs", f"an integer in [0, {limits.max_logprobs}]")
     else:
         logprobs = lp or None
     echo = body.get("echo", False)
     if type(echo) is not bool:
-        raise _type("echo", "a boolean")
+        raise bad_type("echo", "a boolean")
     fields = _sampling(body, vocab_size)
-    max_tokens = _integer(body, "max_tokens", 16, 0, P.MAX_TOKENS)
+    max_tokens = integer(body, "max_tokens", 16, 0, P.MAX_TOKENS)
     if max_tokens == 0 and not echo:
-        raise _value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
+        raise bad_value("max_tokens", "at least 1 (0 is only allowed with echo: true)")
     grammar, grammar_param = _grammar(body, limits.grammar)
     s = Sampling(max_tokens=max_tokens, logprobs=logprobs, echo=echo, grammar=grammar,
                  constrained_logprobs=_constrained(body, grammar), **fields, **_row_fields(body, vocab_size))
@@ -316,22 +219,13 @@ def parse_completion(body: dict, served: str, vocab_size: int, limits: Limits) -
             raise APIError("batch_completion_budget_exceeded",
                            f"members x n x max_tokens = {total} exceeds the budget of {limits.batch_completion_tokens}",
                            "max_tokens")
-    _bool(body, "return_tokens_as_token_ids", False)
+    boolean(body, "return_tokens_as_token_ids", False)
     user = body.get("user")
     if user is not None and type(user) is not str:
-        raise _type("user", "a string")
+        raise bad_type("user", "a string")
     return CompletionRequest(
         model=model, members=members, is_array=is_array, sampling=s, stream=stream, include_usage=include_usage,
-        token_ids_labels=_bool(body, "return_tokens_as_token_ids", False), grammar_param=grammar_param)
-
-
-def _token_ids(v: list, param: str, vocab_size: int) -> list[int]:
-    for j, t in enumerate(v):
-        if type(t) is not int:
-            raise _type(param, "an array of integer token ids")
-        if not 0 <= t < vocab_size:
-            raise APIError("token_out_of_vocabulary", f"token id {t} at {param}[{j}] is outside [0, {vocab_size})", param)
-    return list(v)
+        token_ids_labels=boolean(body, "return_tokens_as_token_ids", False), grammar_param=grammar_param)
 
 
 def _prompt(body: dict, vocab_size: int) -> tuple[list[dict], bool]:
@@ -341,27 +235,27 @@ def _prompt(body: dict, vocab_size: int) -> tuple[list[dict], bool]:
     if type(p) is str:
         return [{"text": p}], False
     if type(p) is not list:
-        raise _type("prompt", "a string, an array of strings, an array of token ids, or an array of token-id arrays")
+        raise bad_type("prompt", "a string, an array of strings, an array of token ids, or an array of token-id arrays")
     if not p:
-        raise _value("prompt", "a non-empty array")
+        raise bad_value("prompt", "a non-empty array")
     first = p[0]
     if type(first) is int:  # one pre-tokenized prompt
-        return [{"ids": _token_ids(p, "prompt", vocab_size)}], False
+        return [{"ids": token_ids(p, "prompt", vocab_size)}], False
     if type(first) is str:
         for i, x in enumerate(p):
             if type(x) is not str:
-                raise _type(f"prompt[{i}]", "a string (a prompt array must not mix types)")
+                raise bad_type(f"prompt[{i}]", "a string (a prompt array must not mix types)")
         return [{"text": x} for x in p], True
     if type(first) is list:
         out = []
         for i, x in enumerate(p):
             if type(x) is not list:
-                raise _type(f"prompt[{i}]", "an array of token ids (a prompt array must not mix types)")
+                raise bad_type(f"prompt[{i}]", "an array of token ids (a prompt array must not mix types)")
             if not x:
-                raise _value(f"prompt[{i}]", "a non-empty array of token ids")
-            out.append({"ids": _token_ids(x, f"prompt[{i}]", vocab_size)})
+                raise bad_value(f"prompt[{i}]", "a non-empty array of token ids")
+            out.append({"ids": token_ids(x, f"prompt[{i}]", vocab_size)})
         return out, True
-    raise _type("prompt[0]", "a string, a token id or an array of token ids")
+    raise bad_type("prompt[0]", "a string, a token id or an array of token ids")
 
 
 # ------------------------------------------------------------------ chat
@@ -398,7 +292,7 @@ def _grammar(body: dict, gc: GrammarCheck) -> tuple[str | None, str | None]:
 
 def _constrained(body: dict, grammar: str | None) -> bool:
     """constrained_logprobs (probity's opt-in): report the grammar's renormalised distribution."""
-    v = _bool(body, "constrained_logprobs", False)
+    v = boolean(body, "constrained_logprobs", False)
     if v and grammar is None:
         raise APIError("invalid_value", "'constrained_logprobs' needs a grammar: response_format json_object or "
                        "json_schema, structured_outputs, or tool_choice required or a named function",
@@ -407,8 +301,8 @@ def _constrained(body: dict, grammar: str | None) -> bool:
 
 
 def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_format: str = "hermes") -> ChatRequest:
-    _check_keys(body, CHAT_FIELDS, CHAT_REFUSED)
-    model = _model(body, served)
+    check_keys(body, CHAT_FIELDS, CHAT_REFUSED)
+    model = model_field(body, served)
     messages = parse_messages(body.get("messages"), tools=True)
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), tool_format,
                         limits.grammar)
@@ -419,14 +313,14 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
                            "combined with response_format or structured_outputs", "tool_choice")
         grammar, grammar_param = tools.grammar(limits.grammar), "tool_choice"
     pl = body.get("prompt_logprobs")
-    if pl is not None and (not _is_int(pl) or not 0 <= pl <= limits.max_logprobs):
-        raise (_type if not _is_int(pl) else _value)("prompt_logprobs", f"an integer in [0, {limits.max_logprobs}]")
-    logprobs = _bool(body, "logprobs", False)
+    if pl is not None and (not is_int(pl) or not 0 <= pl <= limits.max_logprobs):
+        raise (bad_type if not is_int(pl) else bad_value)("prompt_logprobs", f"an integer in [0, {limits.max_logprobs}]")
+    logprobs = boolean(body, "logprobs", False)
     top = body.get("top_logprobs")
-    if top is not None and not _is_int(top):
-        raise _type("top_logprobs", f"an integer in [0, {limits.max_logprobs}]")
+    if top is not None and not is_int(top):
+        raise bad_type("top_logprobs", f"an integer in [0, {limits.max_logprobs}]")
     if top is not None and not 0 <= top <= limits.max_logprobs:
-        raise _value("top_logprobs", f"an integer in [0, {limits.max_logprobs}]")
+        raise bad_value("top_logprobs", f"an integer in [0, {limits.max_logprobs}]")
     if top and not logprobs:
         raise APIError("invalid_value", "'top_logprobs' requires logprobs: true", "top_logprobs")
     fields = _sampling(body, vocab_size)
@@ -445,7 +339,7 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
     if asked and pl is not None:
         raise APIError("unsupported_value", f"'{asked}' is reported for the completion's tokens, not with "
                        "prompt_logprobs: score a prompt's positions through /v1/completions with echo", asked)
-    s = Sampling(max_tokens=_integer(body, key, 16, 1, P.MAX_TOKENS), logprobs=top_k,
+    s = Sampling(max_tokens=integer(body, key, 16, 1, P.MAX_TOKENS), logprobs=top_k,
                  echo=pl is not None, grammar=grammar, constrained_logprobs=_constrained(body, grammar), **fields,
                  **rows)
     if pl is not None and s.n > 1:
@@ -455,7 +349,7 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
         raise APIError("unsupported_value", "prompt_logprobs is not streamed: ask without stream", "prompt_logprobs")
     user = body.get("user")
     if user is not None and type(user) is not str:
-        raise _type("user", "a string")
+        raise bad_type("user", "a string")
     return ChatRequest(model=model, messages=messages, sampling=s, stream=stream, include_usage=include_usage,
                        tools=tools, prompt_logprobs=pl, top_logprobs=(top or 0) if logprobs else None,
                        grammar_param=grammar_param)
@@ -464,28 +358,28 @@ def parse_chat(body: dict, served: str, vocab_size: int, limits: Limits, tool_fo
 def _tool_calls(v: Any, where: str) -> list[dict]:
     """An assistant message's tool_calls -> the SUBMIT's [{id, name, arguments}]."""
     if type(v) is not list or not v:
-        raise _type(where, "a non-empty array of tool calls")
+        raise bad_type(where, "a non-empty array of tool calls")
     if len(v) > P.MAX_TOOL_CALLS:
-        raise _value(where, f"at most {P.MAX_TOOL_CALLS} calls")
+        raise bad_value(where, f"at most {P.MAX_TOOL_CALLS} calls")
     out = []
     for j, c in enumerate(v):
         w = f"{where}[{j}]"
         if type(c) is not dict:
-            raise _type(w, "an object")
-        check_keys(c, ("id", "type", "function"), w)
+            raise bad_type(w, "an object")
+        check_keys(c, ("id", "type", "function"), where=w)
         if c.get("type", "function") != "function":
             raise APIError("unsupported_value", f"'{w}.type' must be \"function\"", f"{w}.type")
         f = c.get("function")
         if type(f) is not dict:
-            raise _type(f"{w}.function", "an object")
-        check_keys(f, ("name", "arguments"), f"{w}.function")
+            raise bad_type(f"{w}.function", "an object")
+        check_keys(f, ("name", "arguments"), where=f"{w}.function")
         if type(c.get("id")) is not str or not c["id"]:
-            raise _type(f"{w}.id", "a non-empty string")
+            raise bad_type(f"{w}.id", "a non-empty string")
         for k in ("name", "arguments"):
             if type(f.get(k)) is not str:
-                raise _type(f"{w}.function.{k}", "a string")
+                raise bad_type(f"{w}.function.{k}", "a string")
         if len(c["id"]) > 256 or len(f["name"]) > 256:
-            raise _value(w, "an id and a name of at most 256 characters")
+            raise bad_value(w, "an id and a name of at most 256 characters")
         out.append({"id": c["id"], "name": f["name"], "arguments": f["arguments"]})
     return out
 
@@ -496,16 +390,16 @@ def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "message
     if v is None:
         raise APIError("missing_required_parameter", f"'{param}' is required", param)
     if type(v) is not list:
-        raise _type(param, "an array of messages")
+        raise bad_type(param, "an array of messages")
     if not v:
-        raise _value(param, "a non-empty array")
+        raise bad_value(param, "a non-empty array")
     out = []
     roles = (*roles, "tool") if tools else roles
     call_ids: set[str] = set()
     for i, m in enumerate(v):
         where = f"{param}[{i}]"
         if type(m) is not dict:
-            raise _type(where, "an object")
+            raise bad_type(where, "an object")
         role = m.get("role")
         extra = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}.get(role, ()) if tools and type(role) is str \
             else ()
@@ -528,7 +422,7 @@ def parse_messages(v: Any, roles: tuple[str, ...] = ROLES, param: str = "message
         if role == "tool":
             tid = m.get("tool_call_id")
             if type(tid) is not str:
-                raise (_missing if tid is None else lambda p: _type(p, "a string"))(f"{where}.tool_call_id")
+                raise (missing_field if tid is None else lambda p: bad_type(p, "a string"))(f"{where}.tool_call_id")
             if tid not in call_ids:
                 raise APIError("invalid_value", f"'{where}.tool_call_id' {tid[:64]!r} answers no tool call of an "
                                "earlier assistant message", f"{where}.tool_call_id")
@@ -543,17 +437,17 @@ def text_content(c: Any, where: str, part_keys: tuple[str, ...] = ()) -> str:
     if type(c) is str:
         return c
     if type(c) is not list:
-        raise _type(where, "a string or an array of text parts")
+        raise bad_type(where, "a string or an array of text parts")
     texts = []
     for j, part in enumerate(c):
         pw = f"{where}[{j}]"
         if type(part) is not dict:
-            raise _type(pw, "an object")
+            raise bad_type(pw, "an object")
         t = part.get("type")
         if t is None:
-            raise _missing(f"{pw}.type")
+            raise missing_field(f"{pw}.type")
         if type(t) is not str:
-            raise _type(f"{pw}.type", "a string")
+            raise bad_type(f"{pw}.type", "a string")
         if t != "text":
             raise APIError("unsupported_value", f"'{pw}.type' {t!r} is not supported; only text parts are",
                            f"{pw}.type")
@@ -561,8 +455,8 @@ def text_content(c: Any, where: str, part_keys: tuple[str, ...] = ()) -> str:
             if k not in ("type", "text", *part_keys):
                 raise APIError("unsupported_parameter", f"'{pw}.{k}' is not supported", f"{pw}.{k}")
         if part.get("text") is None:
-            raise _missing(f"{pw}.text")
+            raise missing_field(f"{pw}.text")
         if type(part["text"]) is not str:
-            raise _type(f"{pw}.text", "a string")
+            raise bad_type(f"{pw}.text", "a string")
         texts.append(part["text"])
     return "".join(texts)
