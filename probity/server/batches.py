@@ -396,20 +396,8 @@ class Batches:
         out_path, err_path = store.results(b, "output"), store.results(b, "errors")
         if b["status"] == "finalizing":   # every line was done: only the end was left
             return self._finish(b, out_path, err_path, [])
-        done: set[int] = set()
+        done = self._resume(b, out_path, err_path)
         counts = b["request_counts"]
-        counts["completed"] = counts["failed"] = 0
-        b["usage"] = _usage()
-        for kind, path in (("completed", out_path), ("failed", err_path)):
-            for r in recover(path):
-                done.add(line_of(r["id"]))
-                counts[kind] += 1
-                if kind == "completed":
-                    _add_usage(b["usage"], r)
-        if b["status"] == "validating":
-            b.update(status="in_progress", in_progress_at=_now())
-        store.save(b)
-        store.used_bytes()
         outs = {"output": open(out_path, "ab"), "errors": open(err_path, "ab")}
         last_save = [time.monotonic()]
         full: list[APIError] = []
@@ -440,11 +428,7 @@ class Batches:
                 if b["status"] == "cancelling" or full:
                     break
                 try:
-                    cid, url, body = parse_line(raw, n)
-                    if cid in seen:
-                        raise LineError("duplicate_custom_id", f"line {n + 1}: custom_id {cid!r} is used by an "
-                                        "earlier line (each line's must be unique)", cid)
-                    seen.add(cid)
+                    cid, url, body = _unique_line(raw, n, seen)
                 except LineError as e:
                     if n not in done:
                         record("errors", {"id": line_id(batch_id, n), "custom_id": e.custom_id, "response": None,
@@ -456,11 +440,7 @@ class Batches:
                 t = asyncio.ensure_future(self._line(batch_id, n, cid, body, url, record))
                 running.add(t)
                 t.add_done_callback(lambda t: (running.discard(t), slots.release()))
-            while running:   # a cancel stops what still runs
-                if b["status"] == "cancelling":
-                    for t in running:
-                        t.cancel()
-                await asyncio.wait(set(running), timeout=0.2)
+            await _drain(b, running)
         finally:
             for t in running:
                 t.cancel()
@@ -469,6 +449,25 @@ class Batches:
                 os.fsync(f.fileno())
                 f.close()
         self._finish(b, out_path, err_path, full)
+
+    def _resume(self, b: dict, out_path: Path, err_path: Path) -> set[int]:
+        """The lines a batch's results already answer (its counts and usage recounted from them),
+        the batch now in progress."""
+        done: set[int] = set()
+        counts = b["request_counts"]
+        counts["completed"] = counts["failed"] = 0
+        b["usage"] = _usage()
+        for kind, path in (("completed", out_path), ("failed", err_path)):
+            for r in recover(path):
+                done.add(line_of(r["id"]))
+                counts[kind] += 1
+                if kind == "completed":
+                    _add_usage(b["usage"], r)
+        if b["status"] == "validating":
+            b.update(status="in_progress", in_progress_at=_now())
+        self.store.save(b)
+        self.store.used_bytes()
+        return done
 
     async def _line(self, batch_id: str, n: int, cid: str, body: dict, endpoint: str, record) -> None:
         try:
@@ -527,6 +526,25 @@ class Batches:
 
 # ------------------------------------------------------------------ routes
 
+def _unique_line(raw: bytes, n: int, seen: set[str]) -> tuple[str, str, dict]:
+    """parse_line, and its custom_id not one an earlier line used."""
+    cid, url, body = parse_line(raw, n)
+    if cid in seen:
+        raise LineError("duplicate_custom_id", f"line {n + 1}: custom_id {cid!r} is used by an earlier line "
+                        "(each line's must be unique)", cid)
+    seen.add(cid)
+    return cid, url, body
+
+
+async def _drain(b: dict, running: set) -> None:
+    """Wait for a batch's running lines; a cancel stops what still runs."""
+    while running:
+        if b["status"] == "cancelling":
+            for t in running:
+                t.cancel()
+        await asyncio.wait(set(running), timeout=0.2)
+
+
 def _page(items: list[dict], request, default_limit: int) -> dict:
     """OpenAI's cursor page: `after` an id, `limit` items, newest first."""
     q = request.query_params
@@ -545,100 +563,123 @@ def _page(items: list[dict], request, default_limit: int) -> dict:
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
+# ------------------------------------------------------------------ the HTTP routes
+
+def _upload_bound(request, bound: int) -> None:
+    """What the headers say about an upload, before its body is read."""
+    length = request.headers.get("content-length")
+    if length is None or not length.isdigit():
+        raise APIError("invalid_body", "an upload needs a Content-Length header")
+    if int(length) > bound + (64 << 10):   # the multipart framing's allowance
+        raise _too_large(bound)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIError("unsupported_media_type", "upload a file as multipart/form-data")
+
+
+def _too_large(bound: int) -> APIError:
+    return APIError("request_too_large", f"a file may hold at most {bound} bytes (--max-file-mib)", "file")
+
+
+def _file_part(form, bound: int):
+    """The form's `file` part, its `purpose` checked."""
+    purpose, up = form.get("purpose"), form.get("file")
+    if purpose is None:
+        raise APIError("missing_required_parameter", "'purpose' is required", "purpose")
+    if purpose != "batch":
+        raise APIError("unsupported_value", "'purpose' must be 'batch' (the only files this server uses)", "purpose")
+    if up is None or isinstance(up, str):
+        raise APIError("missing_required_parameter", "'file' is required (a file part)", "file")
+    if (up.size or 0) > bound:
+        raise _too_large(bound)
+    return up
+
+
+async def upload_file(batches: "Batches", request):
+    """Upload a JSONL file of requests (multipart: `file`, `purpose: batch`)."""
+    store = batches.store
+    bound = store.limits.max_file_bytes
+    _upload_bound(request, bound)
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except Exception as e:  # python-multipart's refusal of a malformed body
+        raise APIError("invalid_body", f"the upload is not valid multipart/form-data: {e}") from None
+    try:
+        up = _file_part(form, bound)
+        store.room(up.size or 0)
+        tmp = store.scratch()
+        try:
+            with open(tmp, "wb") as f:
+                while chunk := await up.read(1 << 20):
+                    f.write(chunk)
+            return store.add_file(tmp, up.filename or "upload.jsonl", "batch")
+        finally:
+            tmp.unlink(missing_ok=True)
+    finally:
+        await form.close()
+
+
+async def list_files(batches: "Batches", request):
+    """The stored files, newest first (`purpose`, `after`, `limit`)."""
+    return _page(batches.store.list_files(request.query_params.get("purpose")), request, 10000)
+
+
+async def get_file(batches: "Batches", request):
+    return batches.store.file(request.path_params["file_id"])
+
+
+async def file_content(batches: "Batches", request):
+    """A file's bytes."""
+    from starlette.responses import FileResponse
+
+    f = batches.store.file(request.path_params["file_id"])
+    return FileResponse(batches.store.data(f["id"]), media_type="application/octet-stream", filename=f["filename"])
+
+
+async def delete_file(batches: "Batches", request):
+    fid = request.path_params["file_id"]
+    batches.store.file(fid)
+    if batches.in_use(fid):
+        raise APIError("conflict", f"file {fid} is the input of an unfinished batch: cancel it first", "file_id")
+    batches.store.delete_file(fid)
+    return {"id": fid, "object": "file", "deleted": True}
+
+
+async def list_batches(batches: "Batches", request):
+    return _page(batches.list(), request, 20)
+
+
+async def get_batch(batches: "Batches", request):
+    return batches.get(request.path_params["batch_id"])
+
+
+async def cancel_batch(batches: "Batches", request):
+    return batches.cancel(request.path_params["batch_id"])
+
+
 def add_routes(app, batches: "Batches", max_body: int, body_timeout: float) -> None:
-    from starlette.requests import Request
-    from starlette.responses import FileResponse, JSONResponse
+    """The Files and Batches routes; each answers its APIError in OpenAI's envelope."""
+    from starlette.responses import JSONResponse
 
     from .body import read_json
 
-    store = batches.store
-
-    def answered(fn):
-        async def endpoint(request: Request):
-            try:
-                out = await fn(request)
-                return out if not isinstance(out, dict) else JSONResponse(out)
-            except APIError as e:
-                return e.response()
-        endpoint.__name__ = fn.__name__
-        endpoint.__doc__ = fn.__doc__
-        return endpoint
-
-    async def upload_file(request: Request):
-        """Upload a JSONL file of requests (multipart: `file`, `purpose: batch`)."""
-        bound = store.limits.max_file_bytes
-        length = request.headers.get("content-length")
-        if length is None or not length.isdigit():
-            raise APIError("invalid_body", "an upload needs a Content-Length header")
-        if int(length) > bound + (64 << 10):
-            raise APIError("request_too_large", f"a file may hold at most {bound} bytes (--max-file-mib)", "file")
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise APIError("unsupported_media_type", "upload a file as multipart/form-data")
-        try:
-            form = await request.form(max_files=1, max_fields=8)
-        except Exception as e:  # python-multipart's refusal of a malformed body
-            raise APIError("invalid_body", f"the upload is not valid multipart/form-data: {e}") from None
-        try:
-            purpose, up = form.get("purpose"), form.get("file")
-            if purpose is None:
-                raise APIError("missing_required_parameter", "'purpose' is required", "purpose")
-            if purpose != "batch":
-                raise APIError("unsupported_value", "'purpose' must be 'batch' (the only files this server uses)",
-                               "purpose")
-            if up is None or isinstance(up, str):
-                raise APIError("missing_required_parameter", "'file' is required (a file part)", "file")
-            size = up.size if up.size is not None else 0
-            if size > bound:
-                raise APIError("request_too_large", f"a file may hold at most {bound} bytes (--max-file-mib)", "file")
-            store.room(size)
-            tmp = store.scratch()
-            try:
-                with open(tmp, "wb") as f:
-                    while chunk := await up.read(1 << 20):
-                        f.write(chunk)
-                return store.add_file(tmp, up.filename or "upload.jsonl", purpose)
-            finally:
-                tmp.unlink(missing_ok=True)
-        finally:
-            await form.close()
-
-    async def list_files(request: Request):
-        """The stored files, newest first (`purpose`, `after`, `limit`)."""
-        return _page(store.list_files(request.query_params.get("purpose")), request, 10000)
-
-    async def get_file(request: Request):
-        return store.file(request.path_params["file_id"])
-
-    async def file_content(request: Request):
-        """A file's bytes."""
-        f = store.file(request.path_params["file_id"])
-        return FileResponse(store.data(f["id"]), media_type="application/octet-stream", filename=f["filename"])
-
-    async def delete_file(request: Request):
-        fid = request.path_params["file_id"]
-        store.file(fid)
-        if batches.in_use(fid):
-            raise APIError("conflict", f"file {fid} is the input of an unfinished batch: cancel it first", "file_id")
-        store.delete_file(fid)
-        return {"id": fid, "object": "file", "deleted": True}
-
-    async def create_batch(request: Request):
+    async def create_batch(batches: "Batches", request):
         """Run an uploaded file's requests as one batch job."""
         return batches.create(await read_json(request, max_body, body_timeout))
 
-    async def list_batches(request: Request):
-        return _page(batches.list(), request, 20)
+    def answered(fn):
+        async def endpoint(request):
+            try:
+                out = await fn(batches, request)
+                return out if not isinstance(out, dict) else JSONResponse(out)
+            except APIError as e:
+                return e.response()
+        endpoint.__name__, endpoint.__doc__ = fn.__name__, fn.__doc__
+        return endpoint
 
-    async def get_batch(request: Request):
-        return batches.get(request.path_params["batch_id"])
-
-    async def cancel_batch(request: Request):
-        return batches.cancel(request.path_params["batch_id"])
-
-    for path, fn, methods in (
-            ("/v1/files", upload_file, ["POST"]), ("/v1/files", list_files, ["GET"]),
-            ("/v1/files/{file_id}", get_file, ["GET"]), ("/v1/files/{file_id}", delete_file, ["DELETE"]),
-            ("/v1/files/{file_id}/content", file_content, ["GET"]),
-            ("/v1/batches", create_batch, ["POST"]), ("/v1/batches", list_batches, ["GET"]),
-            ("/v1/batches/{batch_id}", get_batch, ["GET"]), ("/v1/batches/{batch_id}/cancel", cancel_batch, ["POST"])):
-        app.add_route(path, answered(fn), methods=methods, name=fn.__name__, include_in_schema=True)
+    for path, fn, method in (
+            ("/v1/files", upload_file, "POST"), ("/v1/files", list_files, "GET"),
+            ("/v1/files/{file_id}", get_file, "GET"), ("/v1/files/{file_id}", delete_file, "DELETE"),
+            ("/v1/files/{file_id}/content", file_content, "GET"),
+            ("/v1/batches", create_batch, "POST"), ("/v1/batches", list_batches, "GET"),
+            ("/v1/batches/{batch_id}", get_batch, "GET"), ("/v1/batches/{batch_id}/cancel", cancel_batch, "POST")):
+        app.add_route(path, answered(fn), methods=[method], name=fn.__name__, include_in_schema=True)
