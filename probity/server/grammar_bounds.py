@@ -95,6 +95,16 @@ class _Count:
         self.add("nodes", rules + text.count("|"), "rules and alternatives")
         self.scan(text, "gbnf" if "::=" in text else "lark", 0)
 
+    def _json_at(self, text: str, i: int) -> int:
+        """A Lark `%json {schema}` at i: the schema counted; returns the index past it."""
+        m = re.compile(r"%json\s*").match(text, i)
+        try:
+            schema, end = json.JSONDecoder().raw_decode(text, m.end())
+        except ValueError:
+            return m.end()  # llguidance names the syntax error
+        self.schema(schema)
+        return end
+
     def scan(self, text: str, kind: str, d: int) -> int:
         """The size `text` expands to: the depth of its groups and what its {m,n} repetitions
         expand to (a group repeated n times counts n times its inside, so `(a{100}){100}` is
@@ -115,32 +125,19 @@ class _Count:
                     j += 1
                 if j < n and text[j] == "]":
                     j += 1
-                while j < n and text[j] != "]":
-                    j += 2 if text[j] == "\\" else 1
-                i = j + 1
+                i = _past(text, j, "]")
             elif c in "\"'" and kind != "regex":   # a literal: one atom
-                j = i + 1
-                while j < n and text[j] != c:
-                    j += 2 if text[j] == "\\" else 1
-                i = j + 1
+                i = _past(text, i + 1, c)
             elif c == "/" and kind == "lark":
                 if text.startswith("//", i):        # a comment to the line's end
                     j = text.find("\n", i)
                     i = n if j < 0 else j
                     continue
-                j = i + 1
-                while j < n and text[j] != "/":
-                    j += 2 if text[j] == "\\" else 1
-                atom = self.scan(text[i + 1:j], "regex", d + len(stack) - 1)
-                i = j + 1
+                j = _past(text, i + 1, "/")
+                atom = self.scan(text[i + 1:j - 1], "regex", d + len(stack) - 1)
+                i = j
             elif c == "%" and kind == "lark" and text.startswith("%json", i):
-                m = re.compile(r"%json\s*").match(text, i)
-                try:
-                    schema, i = json.JSONDecoder().raw_decode(text, m.end())
-                except ValueError:
-                    i = m.end()  # llguidance names the syntax error
-                else:
-                    self.schema(schema)
+                i = self._json_at(text, i)
             elif c in opens:
                 stack.append(0)
                 self.depth(d + len(stack) - 1, "groups nested")
@@ -183,3 +180,10 @@ def check_regex(text: str, param: str, b: Bounds) -> None:
 
 def check_lark(text: str, param: str, b: Bounds) -> None:
     _Count(b, param).lark(text)
+
+
+def _past(text: str, j: int, end: str) -> int:
+    """The index just past the first unescaped `end` at or after j (len(text) + 1 if none)."""
+    while j < len(text) and text[j] != end:
+        j += 2 if text[j] == "\\" else 1
+    return j + 1

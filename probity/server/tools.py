@@ -98,44 +98,51 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any, fmt: str, gc: Gramm
         fn = {"name": name}
         if f.get("description") is not None:
             fn["description"] = string_field(f["description"], f"{w}.function.description", allow_empty=True)
-        params = f.get("parameters")
-        if params is not None:
-            where = f"{w}.function.parameters"
-            params = object_field(params, where)
-            if params.get("type", "object") != "object":  # as OpenAI: a call's arguments are an object
-                raise APIError("invalid_schema", f"'{where}' must be a JSON schema of type \"object\", not "
-                               f"{json.dumps(params['type'])}", where)
-            if f.get("strict") is True:
-                problem = strict_problems(params)
-                if problem:
-                    raise APIError("invalid_schema", f"'{where}' {problem}", where)
-            # compiled alone, as the arguments of a call: a schema that admits no output
-            # (one that only refers to itself) is refused here, not ended by grammar_dead_end
-            json_grammar(params, where, gc)
-            fn["parameters"] = params
-        else:
-            fn["parameters"] = {"type": "object", "properties": {}}
+        fn["parameters"] = _parameters(f, f"{w}.function.parameters", gc)
         out.append({"type": "function", "function": fn})
     spec = Tools(out, fmt=fmt)
-    if tool_choice is None or tool_choice in ("auto", "none", "required"):
-        spec.choice = tool_choice or "auto"
-    elif type(tool_choice) is dict:   # (its type was checked first: a string or an object)
-        check_keys(tool_choice, ("type", "function"), where="tool_choice")
-        if tool_choice.get("type") != "function":
-            raise APIError("unsupported_value", "'tool_choice.type' must be \"function\"", "tool_choice.type")
-        fc = object_field(tool_choice.get("function"), "tool_choice.function")
-        check_keys(fc, ("name",), where="tool_choice.function")
-        name = string_field(fc.get("name"), "tool_choice.function.name")
-        if name not in names:
-            raise APIError("invalid_value", f"tool_choice names {name!r}, which is not among the tools",
-                           "tool_choice.function.name")
-        spec.choice, spec.named = "function", name
-    else:
-        raise APIError("invalid_value", "'tool_choice' must be none, auto, required or a named function",
-                       "tool_choice")
+    spec.choice, spec.named = _choice(tool_choice, names)
     if parallel is not None:
         spec.parallel = parallel
     return spec
+
+
+def _parameters(f: dict, where: str, gc: GrammarCheck) -> dict:
+    """A function's `parameters` schema, checked and compiled on its own."""
+    params = f.get("parameters")
+    if params is None:
+        return {"type": "object", "properties": {}}
+    params = object_field(params, where)
+    if params.get("type", "object") != "object":  # as OpenAI: a call's arguments are an object
+        raise APIError("invalid_schema", f"'{where}' must be a JSON schema of type \"object\", not "
+                       f"{json.dumps(params['type'])}", where)
+    if f.get("strict") is True:
+        problem = strict_problems(params)
+        if problem:
+            raise APIError("invalid_schema", f"'{where}' {problem}", where)
+    # compiled alone, as the arguments of a call: a schema that admits no output
+    # (one that only refers to itself) is refused here, not ended by grammar_dead_end
+    json_grammar(params, where, gc)
+    return params
+
+
+def _choice(tool_choice: Any, names: set[str]) -> tuple[str, str | None]:
+    """tool_choice as (choice, the named function or None); its type was checked first."""
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        return tool_choice or "auto", None
+    if type(tool_choice) is not dict:
+        raise APIError("invalid_value", "'tool_choice' must be none, auto, required or a named function",
+                       "tool_choice")
+    check_keys(tool_choice, ("type", "function"), where="tool_choice")
+    if tool_choice.get("type") != "function":
+        raise APIError("unsupported_value", "'tool_choice.type' must be \"function\"", "tool_choice.type")
+    fc = object_field(tool_choice.get("function"), "tool_choice.function")
+    check_keys(fc, ("name",), where="tool_choice.function")
+    name = string_field(fc.get("name"), "tool_choice.function.name")
+    if name not in names:
+        raise APIError("invalid_value", f"tool_choice names {name!r}, which is not among the tools",
+                       "tool_choice.function.name")
+    return "function", name
 
 
 def in_use(tools: Tools | None) -> bool:
